@@ -1,0 +1,1 @@
+"""Lightning callbacks, imported as `vlm_retrofit.callbacks`."""

@@ -1,0 +1,106 @@
+"""Backbone registry: every family resolves, unknown ones are refused helpfully, plug-ins register cleanly."""
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+from vlm_retrofit import BackboneSpec, RouterConfig, attach_routers, register_backbone
+from vlm_retrofit.backbones import base_fingerprint, resolve, supported_model_types
+from vlm_retrofit.backbones.registry import unregister_backbone
+from vlm_retrofit.routing import check_identity
+from vlm_retrofit.testing import FAMILIES, tiny_inputs, tiny_vlm
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_resolves_to_parts_the_kv_path_needs(family):
+    model, _ = tiny_vlm(family)
+    assert family in supported_model_types()
+    spec = resolve(model)
+    layers = spec.get_layers(model)
+    assert len(layers) == 4
+    parts = spec.attention_parts(layers[0])
+    assert callable(parts.rotary_fn) and parts.k_proj.out_features == parts.v_proj.out_features
+    assert spec.get_embed_tokens(model).weight.shape[0] == spec.get_lm_head(model).weight.shape[0]
+    image_ids = spec.image_token_ids(model.config)
+    assert bool(image_ids) == (family not in {"llama", "qwen2"})
+
+
+def test_qwen3_vl_deepstack_layers_are_never_skipped():
+    model, _ = tiny_vlm("qwen3_vl", num_hidden_layers=8)
+    deepstack = len(model.config.vision_config.deepstack_visual_indexes)
+    assert deepstack >= 1
+    layout = attach_routers(model, RouterConfig(block_size=1, never_skip_blocks=[])).layout
+    assert set(range(deepstack)) <= set(layout.never_skip_blocks)
+    assert not set(range(deepstack)) & set(layout.skippable_blocks)
+
+
+def test_unsupported_model_is_refused_with_the_way_forward():
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64))
+    with pytest.raises(ValueError) as err:
+        attach_routers(model)
+    message = str(err.value)
+    assert "'gpt2'" in message and "register_backbone" in message and "qwen2_vl" in message
+
+
+class ToyConfig(LlamaConfig):
+    model_type = "toy_llama"
+
+
+class ToyForCausalLM(LlamaForCausalLM):
+    config_class = ToyConfig
+
+
+def test_a_registered_plug_in_family_gets_exact_routers():
+    model = ToyForCausalLM(ToyConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                     num_attention_heads=4, num_key_value_heads=2)).eval()
+    inputs = {"input_ids": torch.randint(0, 64, (2, 7)), "attention_mask": torch.ones(2, 7, dtype=torch.long)}
+    with pytest.raises(ValueError, match="toy_llama"):
+        resolve(model)
+    register_backbone("toy_llama", BackboneSpec())
+    try:
+        with pytest.raises(ValueError, match="already registered"):
+            register_backbone("toy_llama", BackboneSpec())
+        assert check_identity(model, inputs) <= 1e-4
+    finally:
+        unregister_backbone("toy_llama")
+
+
+def test_fingerprint_is_stable_and_tells_bases_apart():
+    a, _ = tiny_vlm("qwen2_vl")
+    b, _ = tiny_vlm("qwen2_vl")
+    c, _ = tiny_vlm("qwen2_vl", hidden_size=96)
+    assert base_fingerprint(a) == base_fingerprint(b)
+    assert base_fingerprint(a)["text_config_sha256"] != base_fingerprint(c)["text_config_sha256"]
+    assert base_fingerprint(c)["hidden_size"] == 96
+
+
+def test_layouts_and_bad_block_indices():
+    model, processor = tiny_vlm("llava", num_hidden_layers=6)
+    layout = RouterConfig(block_size=2).layout(6)
+    assert layout.block_starts == (0, 2, 4) and layout.never_skip_blocks == (0, 2) and layout.skippable_blocks == (1,)
+    assert list(layout.layers_of_block(1)) == [2, 3]
+    custom = RouterConfig(block_starts=[0, 1, 5], never_skip_blocks=[0]).layout(6)
+    assert custom.skippable_blocks == (1, 2) and list(custom.layers_of_block(2)) == [5]
+    with pytest.raises(ValueError, match=r"valid indices are 0\.\.2"):
+        RouterConfig(block_size=2, skippable_blocks=[3]).layout(6)
+    with pytest.raises(ValueError, match="block_starts"):
+        RouterConfig(block_starts=[1, 3]).layout(6)
+    with pytest.raises(ValueError, match="unknown RouterConfig field"):
+        RouterConfig.from_dict({"block_sise": 2})
+    # Blocks of several layers are exact at init too.
+    assert check_identity(model, tiny_inputs(processor), RouterConfig(block_starts=[0, 1, 4])) <= 1e-4
+
+
+def test_router_parameters_are_under_one_percent_of_a_realistic_backbone():
+    # SmolLM2-135M dimensions (the language half of SmolVLM-256M), built without weights on the meta device.
+    config = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    total = sum(p.numel() for p in model.parameters())
+    for router_config in (RouterConfig(block_size=1, skip_gate=True), RouterConfig(block_size=1)):
+        adapter = attach_routers(model, router_config)
+        trainable = sum(p.numel() for p in adapter.parameters() if p.requires_grad)
+        adapter.detach()
+        assert 0 < trainable < 0.01 * total, (trainable, total)
+        assert trainable < 0.001 * total  # in fact well under 0.1 %: ~36k (+gates ~33k) of 135M

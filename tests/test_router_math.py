@@ -1,0 +1,78 @@
+"""The depth-softmax router on its own: identity at uniform routing, the K multiplier, absent sources."""
+
+import torch
+
+from vlm_retrofit.routing import DepthRouter, SkipGate, rms_normalize
+
+
+def _sources(k, b=2, t=3, d=8):
+    return [torch.randn(b, t, d) for _ in range(k)]
+
+
+def _route(router, sources, present=None):
+    return router(sources, [rms_normalize(s, 1e-6) for s in sources], present)
+
+
+def test_zero_query_is_plain_residual_sum():
+    sources = _sources(4)
+    router = DepthRouter(8, 4, source_bias=True)
+    mixed, alpha = _route(router, sources)
+    torch.testing.assert_close(mixed, sum(sources), atol=1e-6, rtol=0)
+    torch.testing.assert_close(alpha, torch.full_like(alpha, 0.25))
+
+
+def test_query_and_bias_reweight_sources():
+    sources = _sources(3)
+    router = DepthRouter(8, 3, source_bias=True)
+    with torch.no_grad():
+        router.bias.copy_(torch.tensor([0.0, 0.0, 30.0]))  # all weight on the most recent source
+    mixed, alpha = _route(router, sources)
+    torch.testing.assert_close(mixed, 3 * sources[2], atol=1e-5, rtol=0)
+    assert alpha[2].min() > 0.999
+    with torch.no_grad():
+        router.bias.zero_()
+        router.query.normal_()
+    mixed, _ = _route(router, sources)
+    assert (mixed - sum(sources)).abs().max() > 1e-3
+
+
+def test_absent_sources_are_masked_and_not_counted():
+    sources = _sources(3)
+    router = DepthRouter(8, 3, source_bias=False)
+    present = torch.tensor([[True, False, True], [True, True, True]])  # token (0, 1) lacks source 1
+    mixed, alpha = _route(router, sources, [None, present, None])
+    assert alpha[1][0, 1] == 0
+    # K counts only present sources, so uniform routing over {s0, s2} gives s0 + s2 for that token ...
+    torch.testing.assert_close(mixed[0, 1], sources[0][0, 1] + sources[2][0, 1], atol=1e-6, rtol=0)
+    # ... which is plain layer dropping, and every other token keeps the full sum.
+    torch.testing.assert_close(mixed[1], sum(sources)[1], atol=1e-6, rtol=0)
+
+
+def test_router_gradients_reach_query_and_bias_at_init_and_gain_once_query_moves():
+    sources = _sources(3)
+    router = DepthRouter(8, 3, source_bias=True)
+    weights = torch.randn(2, 3, 8)
+    mixed, _ = _route(router, sources)
+    (mixed * weights).sum().backward()
+    assert router.query.grad.abs().sum() > 0 and router.bias.grad.abs().sum() > 0
+    # The gain multiplies the query, so at q = 0 it cannot get a gradient yet.
+    assert router.key_norm_weight.grad.abs().sum() == 0
+    with torch.no_grad():
+        router.query.normal_()
+    router.zero_grad()
+    mixed, _ = _route(router, sources)
+    (mixed * weights).sum().backward()
+    assert router.key_norm_weight.grad.abs().sum() > 0
+
+
+def test_dtype_is_preserved_and_math_runs_in_fp32():
+    sources = [s.to(torch.bfloat16) for s in _sources(3)]
+    mixed, alpha = _route(DepthRouter(8, 3, source_bias=True), sources)
+    assert mixed.dtype == torch.bfloat16 and alpha.dtype == torch.float32
+
+
+def test_skip_gate_starts_near_always_run():
+    gate = SkipGate(8, init_bias=3.0)
+    p = gate(torch.randn(2, 5, 8), 1e-6)
+    assert p.shape == (2, 5)
+    torch.testing.assert_close(p, torch.full_like(p, torch.sigmoid(torch.tensor(3.0)).item()))

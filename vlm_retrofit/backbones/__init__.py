@@ -1,0 +1,26 @@
+"""Backbone specs: a registry keyed by HF `model_type`, and the families supported out of the box."""
+
+from .registry import (
+    AttentionParts,
+    BackboneSpec,
+    base_fingerprint,
+    model_type_of,
+    register_backbone,
+    resolve,
+    supported_model_types,
+    unregister_backbone,
+    unwrap_model,
+)
+from . import families  # noqa: F401  (registers the built-in families)
+
+__all__ = [
+    "AttentionParts",
+    "BackboneSpec",
+    "base_fingerprint",
+    "model_type_of",
+    "register_backbone",
+    "resolve",
+    "supported_model_types",
+    "unregister_backbone",
+    "unwrap_model",
+]

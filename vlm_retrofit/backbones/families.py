@@ -1,0 +1,34 @@
+"""The supported model families: one registry entry each."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from .registry import BackboneSpec, register_backbone
+
+STANDARD = BackboneSpec()
+"""Llama-layout decoders; M-RoPE families fold their 3-D positions into cos/sin before the layers."""
+
+
+def _qwen3_vl_deepstack_layers(config: Any) -> Sequence[int]:
+    # Qwen3-VL adds deepstack visual features to the stream after each of its first layers.
+    return tuple(range(len(config.vision_config.deepstack_visual_indexes or ())))
+
+
+STANDARD_FAMILIES = (
+    "qwen2_vl",
+    "qwen2_5_vl",
+    "llava",
+    "llava_onevision",
+    "idefics3",
+    "smolvlm",
+    "paligemma",
+    "gemma3",
+    "internvl",
+    "llama",
+    "qwen2",
+)
+
+for _model_type in STANDARD_FAMILIES:
+    register_backbone(_model_type, STANDARD)
+register_backbone("qwen3_vl", BackboneSpec(never_skip_layers=_qwen3_vl_deepstack_layers))

@@ -1,0 +1,199 @@
+"""Backbone registry: how to reach the decoder parts of each supported model family, keyed by `model_type`."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable, NamedTuple, Sequence
+
+from torch import nn
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """Return the Hugging Face model inside a `peft` wrapper (or the model itself)."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
+def _default_decoder(model: nn.Module) -> nn.Module:
+    return model.get_decoder()
+
+
+def _default_lm_head(model: nn.Module) -> nn.Module:
+    return model.get_output_embeddings()
+
+
+def _default_text_config(config: Any) -> Any:
+    return config.get_text_config()
+
+
+def _no_layers(config: Any) -> Sequence[int]:
+    return ()
+
+
+# Config attributes under which the families keep the ids of placeholder tokens that carry visual features.
+IMAGE_TOKEN_ATTRS = ("image_token_id", "image_token_index", "video_token_id", "video_token_index")
+
+
+def _default_image_token_ids(config: Any) -> frozenset[int]:
+    ids = set()
+    for attr in IMAGE_TOKEN_ATTRS:
+        value = getattr(config, attr, None)
+        if isinstance(value, int) and value >= 0:
+            ids.add(value)
+    return frozenset(ids)
+
+
+class AttentionParts(NamedTuple):
+    """The pieces of one decoder layer that the kv-only cache path runs for a skipped token."""
+
+    input_norm: nn.Module
+    attention: nn.Module
+    k_proj: nn.Module
+    v_proj: nn.Module
+    k_norm: nn.Module | None
+    rotary_fn: Callable
+
+
+@dataclass(frozen=True)
+class BackboneSpec:
+    """Where routing and skipping find things in one model family.
+
+    The defaults fit every decoder that follows the Llama layout (`get_decoder()` with `.layers`, `.norm`,
+    `.embed_tokens`; layers with `input_layernorm` and `self_attn.{k_proj,v_proj[,k_norm]}`), so a
+    standard family registers `BackboneSpec()` and a family that differs overrides only what differs.
+    """
+
+    decoder: Callable[[nn.Module], nn.Module] = _default_decoder
+    """Maps the (unwrapped) top-level model to its language decoder."""
+    layers_attr: str = "layers"
+    """Attribute of the decoder holding the `nn.ModuleList` of decoder layers."""
+    final_norm_attr: str = "norm"
+    """Attribute of the decoder holding the norm applied after the last layer."""
+    embed_tokens_attr: str = "embed_tokens"
+    """Attribute of the decoder holding the token embedding."""
+    lm_head: Callable[[nn.Module], nn.Module] = _default_lm_head
+    """Maps the top-level model to its output projection."""
+    input_norm_attr: str = "input_layernorm"
+    """Attribute of a decoder layer holding the norm in front of attention."""
+    attention_attr: str = "self_attn"
+    """Attribute of a decoder layer holding the self-attention module."""
+    k_proj_attr: str = "k_proj"
+    v_proj_attr: str = "v_proj"
+    k_norm_attr: str | None = "k_norm"
+    """Per-head key norm (Qwen3, Gemma3); ignored where the attention module has none."""
+    rotary_fn: Callable | None = None
+    """`apply_rotary_pos_emb(q, k, cos, sin)`; None = the one in the attention class's modeling module."""
+    text_config: Callable[[Any], Any] = _default_text_config
+    """Maps the top-level config to the language model's config."""
+    never_skip_layers: Callable[[Any], Sequence[int]] = _no_layers
+    """Layers that must never be skipped (e.g. where visual features are injected into the stream)."""
+    image_token_ids: Callable[[Any], frozenset[int]] = _default_image_token_ids
+    """Input ids that are placeholders for visual features."""
+
+    # -- accessors -------------------------------------------------------------------------------------
+    def get_decoder(self, model: nn.Module) -> nn.Module:
+        return self.decoder(unwrap_model(model))
+
+    def get_layers(self, model: nn.Module) -> nn.ModuleList:
+        return getattr(self.get_decoder(model), self.layers_attr)
+
+    def get_final_norm(self, model: nn.Module) -> nn.Module:
+        return getattr(self.get_decoder(model), self.final_norm_attr)
+
+    def get_embed_tokens(self, model: nn.Module) -> nn.Module:
+        return getattr(self.get_decoder(model), self.embed_tokens_attr)
+
+    def get_lm_head(self, model: nn.Module) -> nn.Module:
+        return self.lm_head(unwrap_model(model))
+
+    def get_text_config(self, model: nn.Module) -> Any:
+        return self.text_config(unwrap_model(model).config)
+
+    def attention_parts(self, layer: nn.Module) -> AttentionParts:
+        attention = getattr(layer, self.attention_attr)
+        k_norm = getattr(attention, self.k_norm_attr, None) if self.k_norm_attr else None
+        rotary_fn = self.rotary_fn
+        if rotary_fn is None:
+            rotary_fn = getattr(sys.modules[type(attention).__module__], "apply_rotary_pos_emb", None)
+            if rotary_fn is None:
+                raise TypeError(
+                    f"{type(attention).__name__} has no module-level apply_rotary_pos_emb; "
+                    "register its backbone with BackboneSpec(rotary_fn=...)"
+                )
+        return AttentionParts(
+            input_norm=getattr(layer, self.input_norm_attr),
+            attention=attention,
+            k_proj=getattr(attention, self.k_proj_attr),
+            v_proj=getattr(attention, self.v_proj_attr),
+            k_norm=k_norm,
+            rotary_fn=rotary_fn,
+        )
+
+
+_REGISTRY: dict[str, BackboneSpec] = {}
+
+
+def register_backbone(model_type: str, spec: BackboneSpec, *, overwrite: bool = False) -> BackboneSpec:
+    """Make a model family (keyed by its HF `config.model_type`) usable with routers and skipping."""
+    if not isinstance(spec, BackboneSpec):
+        raise TypeError(f"register_backbone({model_type!r}, ...) needs a BackboneSpec, got {type(spec).__name__}")
+    if model_type in _REGISTRY and not overwrite:
+        raise ValueError(f"backbone {model_type!r} is already registered; pass overwrite=True to replace it")
+    _REGISTRY[model_type] = spec
+    return spec
+
+
+def supported_model_types() -> list[str]:
+    """The `model_type`s with a registered spec, sorted."""
+    return sorted(_REGISTRY)
+
+
+def model_type_of(model: nn.Module) -> str:
+    return unwrap_model(model).config.model_type
+
+
+def resolve(model: nn.Module) -> BackboneSpec:
+    """The spec for `model` (a HF model or a `peft` wrapper of one); refuses unknown families clearly."""
+    model_type = model_type_of(model)
+    spec = _REGISTRY.get(model_type)
+    if spec is None:
+        raise ValueError(
+            f"model_type {model_type!r} is not a supported backbone. Supported: {', '.join(supported_model_types())}. "
+            "To add a family, call vlm_retrofit.backbones.register_backbone(model_type, BackboneSpec(...)) "
+            "(see docs/backbones.md)."
+        )
+    return spec
+
+
+# Keys of a text config that describe how a model is run or saved, not what it computes.
+_VOLATILE_CONFIG_KEYS = frozenset({
+    "_name_or_path", "transformers_version", "dtype", "torch_dtype", "architectures", "use_cache",
+    "output_attentions", "output_hidden_states", "return_dict", "_attn_implementation",
+    "_attn_implementation_autoset", "_commit_hash", "tie_word_embeddings", "pad_token_id",
+    "bos_token_id", "eos_token_id",
+})
+
+
+def base_fingerprint(model: nn.Module) -> dict[str, Any]:
+    """What identifies the base an adapter belongs to: family, depth, width and a hash of the text config."""
+    spec = resolve(model)
+    text_config = spec.get_text_config(model)
+    config_dict = {k: v for k, v in text_config.to_dict().items() if k not in _VOLATILE_CONFIG_KEYS}
+    canonical = json.dumps(config_dict, sort_keys=True, default=str)
+    return {
+        "model_type": model_type_of(model),
+        "num_layers": len(spec.get_layers(model)),
+        "hidden_size": int(text_config.hidden_size),
+        "text_config_sha256": hashlib.sha256(canonical.encode()).hexdigest(),
+    }
+
+
+def unregister_backbone(model_type: str) -> BackboneSpec:
+    """Remove a registered family (for tests and plug-ins that register temporarily)."""
+    try:
+        return _REGISTRY.pop(model_type)
+    except KeyError:
+        raise ValueError(f"backbone {model_type!r} is not registered; registered: {supported_model_types()}") from None

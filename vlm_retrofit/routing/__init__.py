@@ -1,0 +1,21 @@
+"""Depth routing: RouterConfig, the router math, and the hook-based RouterAdapter."""
+
+from .adapter import AdapterMismatchError, RouterAdapter, attach_routers, check_fingerprint, get_adapter, read_adapter_config
+from .config import BlockLayout, RouterConfig
+from .identity import check_identity
+from .router import DepthRouter, SkipGate, rms_normalize
+
+__all__ = [
+    "AdapterMismatchError",
+    "BlockLayout",
+    "DepthRouter",
+    "RouterAdapter",
+    "RouterConfig",
+    "SkipGate",
+    "attach_routers",
+    "check_fingerprint",
+    "check_identity",
+    "get_adapter",
+    "read_adapter_config",
+    "rms_normalize",
+]

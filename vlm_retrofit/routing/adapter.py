@@ -1,0 +1,297 @@
+"""RouterAdapter: depth routers held outside the HF module tree, attached by hooks on module instances."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+from ..backbones import BackboneSpec, base_fingerprint, resolve, unwrap_model
+from .config import BlockLayout, RouterConfig
+from .router import DepthRouter, SkipGate, rms_normalize
+
+ADAPTER_TYPE = "vlm_retrofit.attnres_router"
+CONFIG_NAME = "adapter_config.json"
+WEIGHTS_NAME = "adapter_model.safetensors"
+FORMAT_VERSION = 1
+FINAL = "final"
+
+# model -> its attached adapter; weak so that a dropped model does not stay alive through the registry.
+_ATTACHED: "weakref.WeakKeyDictionary[nn.Module, RouterAdapter]" = weakref.WeakKeyDictionary()
+
+
+class AdapterMismatchError(ValueError):
+    """An adapter (or checkpoint) was made for a different base model than the one given."""
+
+
+@dataclass
+class _StreamState:
+    """Per-forward sources of the depth stream: s_0 = decoder input, then one delta per block that ran."""
+
+    sources: list[Tensor] = field(default_factory=list)
+    normed: list[Tensor] = field(default_factory=list)
+    present: list[Tensor | None] = field(default_factory=list)
+    routed_input: Tensor | None = None
+    alphas: dict[str, Tensor] = field(default_factory=dict)
+
+    def push(self, source: Tensor, eps: float, present: Tensor | None = None) -> None:
+        self.sources.append(source)
+        self.normed.append(rms_normalize(source, eps))
+        self.present.append(present)
+
+
+def _hidden_from(args: tuple, kwargs: dict) -> Tensor:
+    return args[0] if args else kwargs["hidden_states"]
+
+
+def _with_hidden(args: tuple, kwargs: dict, hidden: Tensor) -> tuple[tuple, dict]:
+    if args:
+        return (hidden, *args[1:]), kwargs
+    return args, {**kwargs, "hidden_states": hidden}
+
+
+class RouterAdapter(nn.Module):
+    """All router parameters of one backbone, plus the hooks that put them into its forward pass.
+
+    Router `n` (key `str(n)`, n >= 1) runs before block n; block 0 reads only the decoder input, so it has
+    no router. Router `"final"` forms the input of the final norm. The HF model's modules, parameters and
+    state_dict keys are never changed: `detach()` leaves the model exactly as it was.
+    """
+
+    def __init__(self, model: nn.Module, config: RouterConfig | None = None) -> None:
+        super().__init__()
+        config = config or RouterConfig()
+        spec = resolve(model)
+        layers = spec.get_layers(model)
+        text_config = spec.get_text_config(model)
+        self.config = config
+        self.spec: BackboneSpec = spec
+        self.fingerprint = base_fingerprint(model)
+        self.layout: BlockLayout = config.layout(len(layers), spec.never_skip_layers(unwrap_model(model).config))
+        hidden_size = int(text_config.hidden_size)
+        device = next(iter(layers.parameters())).device
+        generator = torch.Generator().manual_seed(0)
+        num_blocks = self.layout.num_blocks
+        routers = {
+            str(n): DepthRouter(hidden_size, n + 1, source_bias=config.source_bias, init_scale=config.init_scale,
+                                device=device, generator=generator)
+            for n in range(1, num_blocks)
+        }
+        routers[FINAL] = DepthRouter(hidden_size, num_blocks + 1, source_bias=config.source_bias,
+                                     init_scale=config.init_scale, device=device, generator=generator)
+        self.routers = nn.ModuleDict(routers)
+        self.gates = nn.ModuleDict(
+            {str(n): SkipGate(hidden_size, init_bias=config.gate_init_bias, device=device)
+             for n in self.layout.skippable_blocks} if config.skip_gate else {}
+        )
+        # Plain attributes (not submodules): the adapter must not own or save the backbone.
+        self.__dict__["_model_ref"] = weakref.ref(model)
+        self._handles: list[RemovableHandle] = []
+        self._enabled = True
+        self._state = _StreamState()
+
+    # -- attach / detach -------------------------------------------------------------------------------
+    @property
+    def model(self) -> nn.Module:
+        model = self._model_ref()
+        if model is None:
+            raise RuntimeError("the model this adapter was attached to no longer exists")
+        return model
+
+    @property
+    def attached(self) -> bool:
+        return bool(self._handles)
+
+    def _attach(self) -> "RouterAdapter":
+        model = self.model
+        if model in _ATTACHED:
+            raise RuntimeError("this model already has a RouterAdapter attached; call adapter.detach() first")
+        layers = self.spec.get_layers(model)
+        for block, start in enumerate(self.layout.block_starts):
+            self._handles.append(layers[start].register_forward_pre_hook(self._block_hook(block), with_kwargs=True))
+        self._handles.append(
+            self.spec.get_final_norm(model).register_forward_pre_hook(self._final_hook, with_kwargs=True)
+        )
+        _ATTACHED[model] = self
+        return self
+
+    def detach(self) -> None:
+        """Remove every hook: the model computes exactly what it computed before `attach_routers`."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._state = _StreamState()
+        model = self._model_ref()
+        if model is not None and _ATTACHED.get(model) is self:
+            del _ATTACHED[model]
+
+    @contextlib.contextmanager
+    def disabled(self) -> Iterator["RouterAdapter"]:
+        """Run the exact base function inside the block (the distillation teacher)."""
+        previous, self._enabled = self._enabled, False
+        try:
+            yield self
+        finally:
+            self._enabled = previous
+
+    @property
+    def enabled(self) -> bool:
+        return self._enabled and self.attached
+
+    # -- hooks -----------------------------------------------------------------------------------------
+    def _block_hook(self, block: int):
+        def hook(module: nn.Module, args: tuple, kwargs: dict):
+            if not self._enabled:
+                return None
+            hidden = _hidden_from(args, kwargs)
+            eps = self.config.key_norm_eps
+            if block == 0:
+                self._follow_device(hidden)
+                self._state = _StreamState(routed_input=hidden)
+                self._state.push(hidden, eps)
+                return None
+            routed = self._route(str(block), hidden)
+            return _with_hidden(args, kwargs, routed)
+
+        return hook
+
+    def _final_hook(self, module: nn.Module, args: tuple, kwargs: dict):
+        if not self._enabled:
+            return None
+        return _with_hidden(args, kwargs, self._route(FINAL, _hidden_from(args, kwargs)))
+
+    def _route(self, key: str, hidden: Tensor) -> Tensor:
+        """Record the previous block's delta, then mix all sources with router `key`."""
+        state = self._state
+        if state.routed_input is None:
+            raise RuntimeError("router hook ran before the decoder's first layer; is the decoder loop reordered?")
+        state.push(hidden - state.routed_input, self.config.key_norm_eps)
+        routed, alpha = self.routers[key](state.sources, state.normed, state.present)
+        state.routed_input = routed
+        state.alphas[key] = alpha
+        return routed
+
+    def _follow_device(self, hidden: Tensor) -> None:
+        # The adapter lives outside the model's module tree, so `model.to(device)` does not move it.
+        if self.routers[FINAL].query.device != hidden.device:
+            self.to(hidden.device)
+
+    @property
+    def last_routing_weights(self) -> dict[str, Tensor]:
+        """Routing weights alpha [K, B, T] of each router in the most recent forward, keyed like `routers`."""
+        return dict(self._state.alphas)
+
+    # -- persistence -----------------------------------------------------------------------------------
+    def adapter_config(self) -> dict[str, Any]:
+        return {
+            "adapter_type": ADAPTER_TYPE,
+            "format_version": FORMAT_VERSION,
+            "router_config": self.config.to_dict(),
+            "base_fingerprint": self.fingerprint,
+            "layout": self.layout.to_dict(),
+        }
+
+    def save_pretrained(self, directory: str | os.PathLike) -> Path:
+        """Write `adapter_config.json` + `adapter_model.safetensors` (each replaced atomically)."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        tensors = {k: v.detach().to("cpu").contiguous() for k, v in self.state_dict().items()}
+        _atomic_write(directory / WEIGHTS_NAME, lambda path: save_file(tensors, path, metadata={"format": "pt"}))
+        text = json.dumps(self.adapter_config(), indent=2, sort_keys=True) + "\n"
+        _atomic_write(directory / CONFIG_NAME, lambda path: Path(path).write_text(text))
+        return directory
+
+    @classmethod
+    def from_pretrained(cls, model: nn.Module, directory: str | os.PathLike, *, freeze_base: bool = True) -> "RouterAdapter":
+        """Attach the adapter saved in `directory` to `model`; a mismatched base is refused before any change."""
+        directory = Path(directory)
+        saved = read_adapter_config(directory)
+        check_fingerprint(saved["base_fingerprint"], base_fingerprint(model), source=str(directory))
+        adapter = cls(model, RouterConfig.from_dict(saved["router_config"]))
+        state = load_file(str(directory / WEIGHTS_NAME))
+        expected = adapter.state_dict()
+        missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+        wrong_shape = sorted(k for k in set(expected) & set(state) if expected[k].shape != state[k].shape)
+        if missing or unexpected or wrong_shape:
+            raise AdapterMismatchError(
+                f"{directory / WEIGHTS_NAME} does not match its adapter_config.json: missing {missing}, "
+                f"unexpected {unexpected}, wrong shape {wrong_shape}"
+            )
+        adapter.load_state_dict(state)
+        return _finish_attach(model, adapter, freeze_base)
+
+
+def _finish_attach(model: nn.Module, adapter: RouterAdapter, freeze_base: bool) -> RouterAdapter:
+    adapter._attach()
+    if freeze_base and not hasattr(model, "peft_config"):
+        # A peft model has already frozen its base and marked its own adapters trainable: leave those flags.
+        model.requires_grad_(False)
+    adapter.requires_grad_(True)
+    return adapter
+
+
+def attach_routers(model: nn.Module, config: RouterConfig | None = None, *, freeze_base: bool = True) -> RouterAdapter:
+    """Retrofit depth routers into `model` (a supported HF model, or a `peft` model wrapping one).
+
+    Returns the `RouterAdapter` holding every router parameter. With `freeze_base` the backbone's own
+    parameters stop requiring gradients (a `peft` model's trainable flags are left as they are).
+    """
+    return _finish_attach(model, RouterAdapter(model, config), freeze_base)
+
+
+def get_adapter(model: nn.Module) -> RouterAdapter | None:
+    """The adapter attached to `model`, if any."""
+    return _ATTACHED.get(model)
+
+
+def read_adapter_config(directory: str | os.PathLike) -> dict[str, Any]:
+    """Read and check an adapter folder's `adapter_config.json`."""
+    directory = Path(directory)
+    path = directory / CONFIG_NAME
+    if not path.is_file() or not (directory / WEIGHTS_NAME).is_file():
+        raise FileNotFoundError(
+            f"{directory} is not a router adapter folder: it needs {CONFIG_NAME} and {WEIGHTS_NAME} "
+            "(written by RouterAdapter.save_pretrained)"
+        )
+    saved = json.loads(path.read_text())
+    if saved.get("adapter_type") != ADAPTER_TYPE:
+        raise AdapterMismatchError(f"{path} holds adapter_type {saved.get('adapter_type')!r}, not {ADAPTER_TYPE!r}")
+    if saved.get("format_version", 0) > FORMAT_VERSION:
+        raise AdapterMismatchError(f"{path} was written by a newer vlm_retrofit (format {saved['format_version']})")
+    return saved
+
+
+def check_fingerprint(saved: dict[str, Any], actual: dict[str, Any], *, source: str) -> None:
+    """Refuse an adapter or checkpoint whose base fingerprint differs from the model's, naming both."""
+    if saved == actual:
+        return
+    differing = {k: (saved.get(k), actual.get(k)) for k in sorted(set(saved) | set(actual)) if saved.get(k) != actual.get(k)}
+    details = "; ".join(f"{k}: saved {a!r} vs model {b!r}" for k, (a, b) in differing.items())
+    raise AdapterMismatchError(
+        f"{source} was made for a different base model ({saved.get('model_type')}, {saved.get('num_layers')} layers, "
+        f"hidden {saved.get('hidden_size')}) than the one given ({actual.get('model_type')}, "
+        f"{actual.get('num_layers')} layers, hidden {actual.get('hidden_size')}). Differences: {details}. "
+        "Load the base it was trained on."
+    )
+
+
+def _atomic_write(path: Path, write) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
