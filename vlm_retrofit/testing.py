@@ -1,0 +1,476 @@
+"""Tiny, offline, deterministic Hugging Face VLMs (and text LMs) for testing router plug-ins."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import transformers as tf
+from PIL import Image
+
+__all__ = ["FAMILIES", "tiny_vlm", "tiny_inputs"]
+
+FAMILIES: tuple[str, ...] = (
+    "qwen2_vl",
+    "qwen2_5_vl",
+    "qwen3_vl",
+    "llava",
+    "llava_onevision",
+    "idefics3",
+    "smolvlm",
+    "paligemma",
+    "gemma3",
+    "internvl",
+    "llama",
+    "qwen2",
+)
+
+_SEED = 1234
+_IMAGE_PX = 56  # side of the images made by tiny_inputs
+_ATTN = "eager"  # exact and supported by every family (Gemma3 prefers it too)
+
+# Tiny text decoder shared by all families; `tiny_vlm(**overrides)` edits it.
+_TEXT_DEFAULTS: dict[str, Any] = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=1024,
+)
+# Tiny ViT shared by the SigLIP/CLIP-like towers.
+_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
+
+_CORPUS = """\
+The quick brown fox jumps over the lazy dog. A small red ball rolls across the green grass.
+What is in this picture? Describe the image in one short sentence. The picture shows a cat,
+a dog, a bird and a tree. There is a blue sky with white clouds above the hills and the river.
+Please answer the question briefly and clearly. How many apples are on the table? There are
+three apples and two oranges. The man is reading a book while the woman is drinking tea.
+Where is the red car? The car is parked next to the old house near the station. Colours such
+as red, green, blue, yellow, black and white appear in many photos. Count the shapes: one
+circle, two squares and three triangles. Is it day or night? It is a bright sunny morning.
+The assistant looks at the image and the user asks a question about what it can see.
+"""
+
+_PROMPTS = (
+    "Describe the image.",
+    "What colour is the large shape in this picture?",
+    "How many shapes can you count, and where is the red one placed?",
+    "Is it day or night in the picture? Please answer the question briefly and clearly.",
+)
+
+
+# --------------------------------------------------------------------------- chat templates
+def _chat_template(turn: str, end: str, image: str, roles: dict[str, str] | None = None, bos: str = "") -> str:
+    """Jinja chat template: `bos`, then per message `turn` (with ROLE) + content + `end`."""
+    roles = roles or {}
+    role = "{{ roles.get(message['role'], message['role']) }}"
+    head = turn.replace("ROLE", role)
+    gen = turn.replace("ROLE", roles.get("assistant", "assistant"))
+    return (
+        "{% set roles = " + repr(roles) + " %}"
+        + bos
+        + "{% for message in messages %}"
+        + head
+        + "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+        "{% for c in message['content'] %}"
+        "{% if c['type'] == 'image' %}" + image + "{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}"
+        "{% endfor %}{% endif %}"
+        + end
+        + "{% endfor %}"
+        + "{% if add_generation_prompt %}" + gen + "{% endif %}"
+    )
+
+
+_CHATML = dict(turn="<|im_start|>ROLE\n", end="<|im_end|>\n")
+_IM_START = ("<|im_start|>",)
+
+
+# --------------------------------------------------------------------------- per-family specs
+@dataclass(frozen=True)
+class _Family:
+    model_cls: str  # class name in `transformers`
+    text_cfg: str  # text config class name in `transformers`
+    tokens: dict[str, str]  # named special tokens -> tokenizer attributes (bos_token, image_token, ...)
+    template: str  # chat template
+    extra_tokens: tuple[str, ...] = ()  # further special tokens the processor looks up
+    processor: Callable[[Any], Any] | None = None  # tokenizer -> processor (None: text-only)
+    config: Callable[[Any, Any, Any], Any] | None = None  # (text_config, tokenizer, processor) -> config
+    text_fix: Callable[[dict, dict], None] | None = None  # (text kwargs, overrides) -> None, edits in place
+
+
+def _ids(tok, **names: str) -> dict[str, int]:
+    return {k: tok.convert_tokens_to_ids(v) for k, v in names.items()}
+
+
+def _mrope(interleaved: bool):
+    """Text-config fix: M-RoPE sections (T, H, W) summing to head_dim / 2."""
+
+    def fix(kw: dict, overrides: dict) -> None:
+        if "rope_parameters" in overrides:
+            return
+        half = kw["head_dim"] // 2
+        rope = {"rope_type": "default", "rope_theta": 10000.0}
+        if interleaved:  # Qwen3-VL interleaves T/H/W: H and W each need 3 * section <= head_dim / 2
+            rope.update(mrope_section=[half - 2 * (half // 4), half // 4, half // 4], mrope_interleaved=True)
+        else:
+            rope.update(mrope_section=[half - 2 * (3 * half // 8), 3 * half // 8, 3 * half // 8])
+        kw["rope_parameters"] = rope
+
+    return fix
+
+
+def _gemma3_text(kw: dict, overrides: dict) -> None:
+    """Text-config fix: alternate sliding (window 16) / full attention layers; query scale 1/sqrt(head_dim)."""
+    kw.setdefault("sliding_window", 16)
+    kw.setdefault("query_pre_attn_scalar", kw["head_dim"])
+    kw.setdefault("layer_types", ["sliding_attention" if i % 2 == 0 else "full_attention"
+                                  for i in range(kw["num_hidden_layers"])])
+
+
+_QWEN_TOKENS = dict(
+    eos_token="<|im_end|>",
+    pad_token="<|endoftext|>",
+    image_token="<|image_pad|>",
+    video_token="<|video_pad|>",
+    vision_start_token="<|vision_start|>",
+    vision_end_token="<|vision_end|>",
+)
+_QWEN_TEMPLATE = _chat_template(**_CHATML, image="<|vision_start|><|image_pad|><|vision_end|>")
+
+
+def _qwen_processor(proc_cls: str, video_cls: str, patch: int):
+    def build(tok):
+        size = {"shortest_edge": (2 * patch) ** 2, "longest_edge": (4 * patch) ** 2}
+        kw = dict(patch_size=patch, merge_size=2, temporal_patch_size=2, size=size)
+        return getattr(tf, proc_cls)(
+            image_processor=tf.Qwen2VLImageProcessor(**kw),
+            tokenizer=tok,
+            video_processor=getattr(tf, video_cls)(**kw),
+            chat_template=tok.chat_template,
+        )
+
+    return build
+
+
+def _qwen_config(cfg_cls: str, version: int):
+    def build(text, tok, proc):
+        common = dict(depth=2, num_heads=2, patch_size=16 if version == 3 else 14, spatial_merge_size=2,
+                      temporal_patch_size=2, in_channels=3)
+        if version == 2:
+            vision = dict(common, embed_dim=32, hidden_size=text.hidden_size, mlp_ratio=2)
+        elif version == 25:
+            vision = dict(common, hidden_size=32, intermediate_size=64, out_hidden_size=text.hidden_size,
+                          window_size=56, fullatt_block_indexes=[1])
+        else:  # deepstack taps vision layers 0 and 1 -> injected after decoder layers 0 and 1
+            vision = dict(common, hidden_size=32, intermediate_size=64, out_hidden_size=text.hidden_size,
+                          num_position_embeddings=64, deepstack_visual_indexes=[0, 1])
+        ids = _ids(tok, image_token_id="<|image_pad|>", video_token_id="<|video_pad|>",
+                   vision_start_token_id="<|vision_start|>", vision_end_token_id="<|vision_end|>")
+        return getattr(tf, cfg_cls)(text_config=text, vision_config=vision, **ids)
+
+    return build
+
+
+def _llava_processor(tok):
+    ip = tf.CLIPImageProcessor(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28})
+    return tf.LlavaProcessor(image_processor=ip, tokenizer=tok, patch_size=14, vision_feature_select_strategy="default",
+                             num_additional_image_tokens=1, chat_template=tok.chat_template)
+
+
+def _llava_config(text, tok, proc):
+    vision = tf.CLIPVisionConfig(**_VISION, image_size=28, patch_size=14, projection_dim=32)
+    return tf.LlavaConfig(vision_config=vision, text_config=text, image_token_index=proc.image_token_id,
+                          image_seq_length=4, vision_feature_select_strategy="default", vision_feature_layer=-2)
+
+
+_OV_PINPOINTS = [[28, 28], [28, 56], [56, 28], [56, 56]]
+
+
+def _onevision_processor(tok):
+    kw = dict(size={"height": 28, "width": 28}, image_grid_pinpoints=_OV_PINPOINTS)
+    return tf.LlavaOnevisionProcessor(
+        image_processor=tf.LlavaOnevisionImageProcessor(**kw), tokenizer=tok,
+        video_processor=tf.LlavaOnevisionVideoProcessor(size={"height": 28, "width": 28}),
+        num_image_tokens=4, vision_feature_select_strategy="full", chat_template=tok.chat_template)
+
+
+def _onevision_config(text, tok, proc):
+    vision = tf.SiglipVisionConfig(**_VISION, image_size=28, patch_size=14)
+    return tf.LlavaOnevisionConfig(vision_config=vision, text_config=text, image_grid_pinpoints=_OV_PINPOINTS,
+                                   vision_feature_select_strategy="full", vision_feature_layer=-1,
+                                   **_ids(tok, image_token_index="<image>", video_token_index="<video>"))
+
+
+def _idefics_processor(proc_cls: str, ip_cls: str, video_cls: str | None):
+    def build(tok):
+        size = dict(size={"longest_edge": 56}, max_image_size={"longest_edge": 56}, do_image_splitting=False)
+        kw = dict(image_processor=getattr(tf, ip_cls)(**size), tokenizer=tok, image_seq_len=4,
+                  chat_template=tok.chat_template)
+        if video_cls:
+            kw["video_processor"] = getattr(tf, video_cls)(
+                size={"longest_edge": 56}, max_image_size={"longest_edge": 56})
+        return getattr(tf, proc_cls)(**kw)
+
+    return build
+
+
+def _idefics_config(cfg_cls: str, vision_cls: str):
+    def build(text, tok, proc):
+        vision = getattr(tf, vision_cls)(**_VISION, image_size=56, patch_size=14)
+        return getattr(tf, cfg_cls)(vision_config=vision, text_config=text, scale_factor=2,
+                                    image_token_id=proc.image_token_id, pad_token_id=tok.pad_token_id)
+
+    return build
+
+
+def _paligemma_processor(tok):
+    ip = tf.SiglipImageProcessor(size={"height": 28, "width": 28})
+    ip.image_seq_length = 4
+    return tf.PaliGemmaProcessor(image_processor=ip, tokenizer=tok, chat_template=tok.chat_template)
+
+
+def _paligemma_config(text, tok, proc):
+    vision = tf.SiglipVisionConfig(**_VISION, image_size=28, patch_size=14, projection_dim=text.hidden_size)
+    return tf.PaliGemmaConfig(vision_config=vision, text_config=text, image_token_index=proc.image_token_id,
+                              projection_dim=text.hidden_size, hidden_size=text.hidden_size,
+                              vocab_size=text.vocab_size)
+
+
+def _gemma3_processor(tok):
+    ip = tf.Gemma3ImageProcessor(size={"height": 56, "width": 56}, do_pan_and_scan=False)
+    return tf.Gemma3Processor(image_processor=ip, tokenizer=tok, image_seq_length=4, chat_template=tok.chat_template)
+
+
+def _gemma3_config(text, tok, proc):
+    vision = tf.SiglipVisionConfig(**_VISION, image_size=56, patch_size=14)
+    return tf.Gemma3Config(vision_config=vision, text_config=text, mm_tokens_per_image=4,
+                           **_ids(tok, boi_token_index="<start_of_image>", eoi_token_index="<end_of_image>",
+                                  image_token_index="<image_soft_token>"))
+
+
+def _internvl_processor(tok):
+    ip = tf.GotOcr2ImageProcessor(size={"height": 56, "width": 56}, crop_to_patches=False)
+    vp = tf.InternVLVideoProcessor(size={"height": 56, "width": 56})
+    return tf.InternVLProcessor(image_processor=ip, tokenizer=tok, video_processor=vp, image_seq_length=4,
+                                chat_template=tok.chat_template)
+
+
+def _internvl_config(text, tok, proc):
+    vision = tf.InternVLVisionConfig(**_VISION, image_size=56, patch_size=14)
+    return tf.InternVLConfig(vision_config=vision, text_config=text, image_token_id=proc.image_token_id,
+                             image_seq_length=4, downsample_ratio=0.5)
+
+
+_IDEFICS_TOKENS = dict(bos_token="<|begin_of_text|>", eos_token="<end_of_utterance>", pad_token="<|finetune_pad|>",
+                       image_token="<image>", fake_image_token="<fake_token_around_image>",
+                       global_image_token="<global-img>", end_of_utterance_token="<end_of_utterance>")
+_IDEFICS_EXTRA = tuple(f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7))
+_IDEFICS_TEMPLATE = _chat_template("ROLE:", "<end_of_utterance>\n", "<image>",
+                                   {"user": "User", "assistant": "Assistant", "system": "System"},
+                                   bos="<|begin_of_text|>")
+
+# family -> (model class, text config class, named special tokens, chat template, other special tokens, ...)
+_SPECS: dict[str, _Family] = {
+    "qwen2_vl": _Family(
+        "Qwen2VLForConditionalGeneration", "Qwen2VLTextConfig", _QWEN_TOKENS, _QWEN_TEMPLATE, _IM_START,
+        processor=_qwen_processor("Qwen2VLProcessor", "Qwen2VLVideoProcessor", 14),
+        config=_qwen_config("Qwen2VLConfig", 2), text_fix=_mrope(False)),
+    "qwen2_5_vl": _Family(
+        "Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLTextConfig", _QWEN_TOKENS, _QWEN_TEMPLATE, _IM_START,
+        processor=_qwen_processor("Qwen2_5_VLProcessor", "Qwen2VLVideoProcessor", 14),
+        config=_qwen_config("Qwen2_5_VLConfig", 25), text_fix=_mrope(False)),
+    "qwen3_vl": _Family(
+        "Qwen3VLForConditionalGeneration", "Qwen3VLTextConfig", _QWEN_TOKENS, _QWEN_TEMPLATE, _IM_START,
+        processor=_qwen_processor("Qwen3VLProcessor", "Qwen3VLVideoProcessor", 16),
+        config=_qwen_config("Qwen3VLConfig", 3), text_fix=_mrope(True)),
+    "llava": _Family(
+        "LlavaForConditionalGeneration", "LlamaConfig",
+        dict(bos_token="<s>", eos_token="</s>", pad_token="<pad>", image_token="<image>"),
+        _chat_template("ROLE: ", " ", "<image>\n", {"user": "USER", "assistant": "ASSISTANT", "system": "SYSTEM"},
+                       bos="<s>"),
+        processor=_llava_processor, config=_llava_config),
+    "llava_onevision": _Family(
+        "LlavaOnevisionForConditionalGeneration", "Qwen2Config",
+        dict(eos_token="<|im_end|>", pad_token="<|endoftext|>", image_token="<image>", video_token="<video>"),
+        _chat_template(**_CHATML, image="<image>\n"), _IM_START,
+        processor=_onevision_processor, config=_onevision_config),
+    "idefics3": _Family(
+        "Idefics3ForConditionalGeneration", "LlamaConfig", _IDEFICS_TOKENS, _IDEFICS_TEMPLATE, _IDEFICS_EXTRA,
+        processor=_idefics_processor("Idefics3Processor", "Idefics3ImageProcessor", None),
+        config=_idefics_config("Idefics3Config", "Idefics3VisionConfig")),
+    "smolvlm": _Family(
+        "SmolVLMForConditionalGeneration", "LlamaConfig", dict(_IDEFICS_TOKENS, video_token="<video>"),
+        _IDEFICS_TEMPLATE, _IDEFICS_EXTRA,
+        processor=_idefics_processor("SmolVLMProcessor", "SmolVLMImageProcessor", "SmolVLMVideoProcessor"),
+        config=_idefics_config("SmolVLMConfig", "SmolVLMVisionConfig")),
+    "paligemma": _Family(  # prompt "<image>...<image><bos>text\n"; the processor inserts <bos> and "\n"
+        "PaliGemmaForConditionalGeneration", "GemmaConfig",
+        dict(bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", image_token="<image>"),
+        _chat_template("", "", "<image>"),
+        processor=_paligemma_processor, config=_paligemma_config),
+    "gemma3": _Family(
+        "Gemma3ForConditionalGeneration", "Gemma3TextConfig",
+        dict(bos_token="<bos>", eos_token="<end_of_turn>", pad_token="<pad>", image_token="<image_soft_token>",
+             boi_token="<start_of_image>", eoi_token="<end_of_image>"),
+        _chat_template("<start_of_turn>ROLE\n", "<end_of_turn>\n", "<start_of_image>", {"assistant": "model"},
+                       bos="<bos>"), ("<eos>",),
+        processor=_gemma3_processor, config=_gemma3_config, text_fix=_gemma3_text),
+    "internvl": _Family(
+        "InternVLForConditionalGeneration", "Qwen2Config",
+        dict(eos_token="<|im_end|>", pad_token="<|endoftext|>", start_image_token="<img>", end_image_token="</img>",
+             context_image_token="<IMG_CONTEXT>", video_token="<video>"),
+        _chat_template(**_CHATML, image="<IMG_CONTEXT>\n"), _IM_START,
+        processor=_internvl_processor, config=_internvl_config),
+    "llama": _Family(
+        "LlamaForCausalLM", "LlamaConfig",
+        dict(bos_token="<|begin_of_text|>", eos_token="<|eot_id|>", pad_token="<|finetune_pad|>"),
+        _chat_template("<|start_header_id|>ROLE<|end_header_id|>\n\n", "<|eot_id|>", "", bos="<|begin_of_text|>"),
+        ("<|start_header_id|>", "<|end_header_id|>")),
+    "qwen2": _Family(
+        "Qwen2ForCausalLM", "Qwen2Config", dict(eos_token="<|im_end|>", pad_token="<|endoftext|>"),
+        _chat_template(**_CHATML, image=""), _IM_START),
+}
+assert tuple(_SPECS) == FAMILIES
+
+
+# --------------------------------------------------------------------------- tokenizer / processor
+_STANDARD = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+@functools.lru_cache(maxsize=None)
+def _tokenizer_json(specials: tuple[str, ...]) -> str:
+    """Byte-level BPE trained on `_CORPUS` with `specials` first (ids 0..k-1); deterministic."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=len(specials) + 512, special_tokens=list(specials),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(_CORPUS.splitlines(), trainer=trainer)
+    return tok.to_str()
+
+
+def _make_tokenizer(spec: _Family):
+    from tokenizers import Tokenizer
+
+    specials = tuple(dict.fromkeys([*spec.tokens.values(), *spec.extra_tokens]))
+    standard = {k: v for k, v in spec.tokens.items() if k in _STANDARD}
+    named = {k: v for k, v in spec.tokens.items() if k not in _STANDARD}
+    return tf.PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer.from_str(_tokenizer_json(specials)),
+        extra_special_tokens=named or None,
+        chat_template=spec.template,
+        padding_side="left",
+        model_max_length=1024,
+        **standard,
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def _cached_processor(family: str):
+    spec = _SPECS[family]
+    tok = _make_tokenizer(spec)
+    return spec.processor(tok) if spec.processor else tok
+
+
+def _processor(family: str):
+    return copy.deepcopy(_cached_processor(family))  # callers may mutate their copy freely
+
+
+# --------------------------------------------------------------------------- public API
+def tiny_vlm(family: str, **overrides):
+    """Build a tiny randomly initialised `family` model and its processor, offline.
+
+    `family` is one of `FAMILIES` (the HF `config.model_type`). Returns `(model, processor)`: the model is the
+    family's `...ForConditionalGeneration` (`...ForCausalLM` for "llama"/"qwen2"), fp32, in eval mode, with
+    eager attention (exact and supported by every family); the processor is the family's real processor class
+    around a small deterministic BPE tokenizer with the family's special tokens and a chat template (for the
+    text-only families it is the tokenizer itself). Weights are seeded locally: the same `family` and
+    `overrides` give a bit-identical `state_dict` on every call, and the global RNG state is left untouched.
+
+    `overrides` are applied to the TEXT (decoder) config, e.g. `num_hidden_layers=6` or `hidden_size=96`;
+    `head_dim` follows `hidden_size // num_attention_heads` unless given. Keys that the family's text config
+    does not define raise `TypeError`. The defaults are hidden 64, intermediate 128, 4 layers, 4 heads,
+    2 KV heads, head_dim 16; the vision towers are 2-layer, width-32 ViTs on 28-56 px images. The config ids
+    (pad/bos/eos, `config.image_token_id` for every VLM family) and `model.generation_config` match the
+    tokenizer, whose length is the vocabulary size.
+    """
+    if family not in _SPECS:
+        raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
+    spec = _SPECS[family]
+    text_cls = getattr(tf, spec.text_cfg)
+    valid = {f.name for f in dataclasses.fields(text_cls)}
+    unknown = sorted(set(overrides) - valid)
+    if unknown:
+        raise TypeError(f"tiny_vlm({family!r}): unknown text-config override(s) {unknown} for {spec.text_cfg}")
+
+    processor = _processor(family)
+    tok = getattr(processor, "tokenizer", processor)
+    kw = {**_TEXT_DEFAULTS, **overrides}
+    if "head_dim" not in overrides:
+        kw["head_dim"] = kw["hidden_size"] // kw["num_attention_heads"]
+    if spec.text_fix:
+        spec.text_fix(kw, overrides)
+    kw.update(vocab_size=len(tok), pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+              bos_token_id=tok.bos_token_id if tok.bos_token is not None else None)
+    text = text_cls(**{k: v for k, v in kw.items() if k in valid})
+    config = spec.config(text, tok, processor) if spec.config else text
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(_SEED)
+        model = getattr(tf, spec.model_cls)._from_config(config, attn_implementation=_ATTN, dtype=torch.float32)
+    model.eval()
+    gen = model.generation_config
+    gen.pad_token_id, gen.eos_token_id = tok.pad_token_id, tok.eos_token_id
+    gen.bos_token_id = tok.bos_token_id if tok.bos_token is not None else None
+    return model, processor
+
+
+def _image(i: int) -> Image.Image:
+    """Deterministic RGB test image, different for every `i`."""
+    y, x = np.mgrid[0:_IMAGE_PX, 0:_IMAGE_PX]
+    chans = [(x * (3 + i) + y * (5 + 2 * i) + 85 * c + 40 * i) % 256 for c in range(3)]
+    return Image.fromarray(np.stack(chans, -1).astype(np.uint8), "RGB")
+
+
+def tiny_inputs(processor, batch: int = 2, with_image: bool = True):
+    """Ready inputs for `model(**inputs)` / `model.generate(**inputs)` from a `tiny_vlm` processor.
+
+    A LEFT-padded batch of `batch` single-turn chats of increasing length (so rows really differ in padding
+    when `batch >= 2`), rendered with the processor's chat template and a generation prompt. With
+    `with_image=True` every sample of an image-taking family gets its own small deterministic PIL image,
+    and the result carries whatever the family's forward needs (`pixel_values`, `image_grid_thw`,
+    `mm_token_type_ids`, `token_type_ids`, `pixel_attention_mask`, `image_sizes`, ...). For text-only
+    families `with_image` is ignored. Returns a `BatchFeature` of tensors; deterministic.
+    """
+    takes_images = hasattr(processor, "image_processor") and with_image
+    chats = []
+    for i in range(batch):
+        last = len(_PROMPTS) - 1  # texts grow strictly longer with i
+        content = [{"type": "text", "text": _PROMPTS[min(i, last)] + " Please be brief." * max(0, i - last)}]
+        if takes_images:
+            content.insert(0, {"type": "image", "image": _image(i)})
+        chats.append([{"role": "user", "content": content}])
+    pad = dict(padding=True, padding_side="left")
+    kw = dict(add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt")
+    if not hasattr(processor, "tokenizer"):  # text-only family: the processor is the tokenizer
+        out = processor.apply_chat_template(chats, tokenizer_kwargs={"padding_side": "left"}, padding=True, **kw)
+    elif isinstance(processor, tf.PaliGemmaProcessor) and not takes_images:  # it refuses text without images
+        tok = processor.tokenizer
+        texts = [tok.bos_token + t + "\n" for t in processor.apply_chat_template(chats, add_generation_prompt=True)]
+        out = tok(texts, return_tensors="pt", return_token_type_ids=True, **pad)
+    else:
+        with warnings.catch_warnings():  # PaliGemmaProcessor calls np.array(tensor): numpy 2 DeprecationWarning
+            warnings.filterwarnings("ignore", "__array__ implementation", DeprecationWarning)
+            out = processor.apply_chat_template(chats, processor_kwargs=pad, **kw)
+    out.pop("labels", None)
+    return out
