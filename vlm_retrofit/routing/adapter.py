@@ -99,6 +99,9 @@ class RouterAdapter(nn.Module):
         self._handles: list[RemovableHandle] = []
         self._enabled = True
         self._state = _StreamState()
+        self._controller: Any = None
+        self.calibration: dict[str, dict[str, dict[str, Any]]] = {}
+        """Skip thresholds found by calibration: policy -> target saving -> policy settings."""
 
     # -- attach / detach -------------------------------------------------------------------------------
     @property
@@ -154,13 +157,18 @@ class RouterAdapter(nn.Module):
             if not self._enabled:
                 return None
             hidden = _hidden_from(args, kwargs)
-            eps = self.config.key_norm_eps
+            controller = self._controller
             if block == 0:
                 self._follow_device(hidden)
                 self._state = _StreamState(routed_input=hidden)
-                self._state.push(hidden, eps)
+                self._state.push(hidden, self.config.key_norm_eps)
+                if controller is not None:
+                    controller.begin_forward(self._state)
+                    controller.decide(0, self._state)
                 return None
-            routed = self._route(str(block), hidden)
+            routed = self._route(str(block), hidden, previous_block=block - 1)
+            if controller is not None:
+                controller.decide(block, self._state)
             return _with_hidden(args, kwargs, routed)
 
         return hook
@@ -168,18 +176,44 @@ class RouterAdapter(nn.Module):
     def _final_hook(self, module: nn.Module, args: tuple, kwargs: dict):
         if not self._enabled:
             return None
-        return _with_hidden(args, kwargs, self._route(FINAL, _hidden_from(args, kwargs)))
+        hidden = _hidden_from(args, kwargs)
+        return _with_hidden(args, kwargs, self._route(FINAL, hidden, previous_block=self.layout.num_blocks - 1))
 
-    def _route(self, key: str, hidden: Tensor) -> Tensor:
-        """Record the previous block's delta, then mix all sources with router `key`."""
+    def _route(self, key: str, hidden: Tensor, previous_block: int) -> Tensor:
+        """Record the previous block's delta (absent where it was skipped), then mix all sources with `key`."""
         state = self._state
         if state.routed_input is None:
             raise RuntimeError("router hook ran before the decoder's first layer; is the decoder loop reordered?")
-        state.push(hidden - state.routed_input, self.config.key_norm_eps)
+        present = self._controller.ran(previous_block) if self._controller is not None else None
+        state.push(hidden - state.routed_input, self.config.key_norm_eps, present)
         routed, alpha = self.routers[key](state.sources, state.normed, state.present)
         state.routed_input = routed
         state.alphas[key] = alpha
         return routed
+
+    # -- skipping --------------------------------------------------------------------------------------
+    def skipping(self, policy: Any = "recent_weight", *, budget: int | float | None = None,
+                 target_saving: float | None = None, **policy_kwargs: Any) -> Any:
+        """Context in which blocks are skipped per token; `as report` gives the SkipReport of what ran.
+
+        `policy` is a name (`recent_weight` with `thresholds=`, `gate` with `threshold=`, `static` with
+        `blocks=`, `random` with `rate=`) or a `SkipPolicy`. `target_saving` looks up thresholds stored by
+        calibration; `budget` caps the blocks one token may skip (a count, or a fraction in (0, 1)).
+        """
+        from ..skipping.runtime import skipping
+
+        return skipping(self, policy, budget=budget, target_saving=target_saving, **policy_kwargs)
+
+    def _set_controller(self, controller: Any) -> None:
+        """Install (or with None remove) the object that decides per token which blocks run.
+
+        It is called with `begin_forward(state)` at the first layer, `decide(block, state)` after each
+        block's routing (state.routed_input is that block's input, state.alphas its routing weights) and
+        `ran(block)` when the block's delta is recorded: a bool [B, T] run mask or None (all ran).
+        """
+        if controller is not None and self._controller is not None:
+            raise RuntimeError("skipping is already active on this adapter; nested skip contexts are not supported")
+        self._controller = controller
 
     def _follow_device(self, hidden: Tensor) -> None:
         # The adapter lives outside the model's module tree, so `model.to(device)` does not move it.

@@ -1,0 +1,127 @@
+"""Invariants 2 and 3 on every family: cached skipping equals a no-cache reference; a never-firing policy is exact."""
+
+import pytest
+import torch
+
+from vlm_retrofit import RouterConfig, attach_routers
+from vlm_retrofit.backbones import resolve
+from vlm_retrofit.skipping import RandomPolicy, RecentWeightPolicy
+from vlm_retrofit.testing import FAMILIES, tiny_inputs, tiny_vlm
+
+NEW_TOKENS = 6
+
+
+def _trained_like(family, **overrides):
+    """A tiny model with routers whose queries are far from init, so routing really re-weights sources."""
+    model, processor = tiny_vlm(family, num_hidden_layers=6, **overrides)
+    adapter = attach_routers(model, RouterConfig())
+    generator = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for router in adapter.routers.values():
+            router.query.copy_(0.5 * torch.randn(router.query.shape, generator=generator))
+    return model, processor, adapter
+
+
+def _no_placeholders(model):
+    """Random tiny models may emit an image placeholder id, which an uncached re-run would treat as an image."""
+    return {"suppress_tokens": sorted(resolve(model).image_token_ids(model.config))}
+
+
+def _generate(model, inputs, **kwargs):
+    return model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True,
+                          return_dict_in_generate=True, **_no_placeholders(model), **kwargs)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_cached_skipping_equals_uncached_reference(family, batch):
+    model, processor, adapter = _trained_like(family)
+    inputs = tiny_inputs(processor, batch=batch)
+    policy = RandomPolicy(rate=0.45, seed=3)
+    with torch.no_grad():
+        with adapter.skipping(policy) as report:
+            out = _generate(model, inputs)
+        # The reference recomputes the whole sequence at every step, applying where(skip, x, layer(x)) per layer.
+        with adapter.skipping(policy) as reference_report:
+            reference = _generate(model, inputs, use_cache=False)
+    torch.testing.assert_close(torch.stack(out.logits, 1), torch.stack(reference.logits, 1), atol=1e-4, rtol=0)
+    assert torch.equal(out.sequences, reference.sequences)
+    # Skipping really happened; at batch 1 whole steps skip blocks, so kv-only writes ran and saved compute.
+    assert sum(report.block_skipped_tokens) > 0 and report.layer_calls["mixed"] > 0
+    if batch == 1:
+        assert report.layer_calls["kv_only"] > 0 and report.decode.compute_saved > 0
+    assert reference_report.layer_calls["kv_only"] == 0  # no cache: nothing to fill
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_never_firing_threshold_reproduces_unskipped_generation(family):
+    model, processor, adapter = _trained_like(family)
+    inputs = tiny_inputs(processor, batch=2)
+    with torch.no_grad():
+        plain = _generate(model, inputs)
+        with adapter.skipping("recent_weight", thresholds=1.5) as report:  # alpha <= 1: never fires
+            never = _generate(model, inputs)
+    assert torch.equal(never.sequences, plain.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(never.logits, plain.logits))
+    assert report.compute_saved == 0 and report.layer_calls["full"] > 0
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "llava", "gemma3"])
+def test_never_firing_threshold_at_init_equals_the_base(family):
+    model, processor = tiny_vlm(family)
+    inputs = tiny_inputs(processor, batch=2)
+    with torch.no_grad():
+        base = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)
+        adapter = attach_routers(model, RouterConfig())
+        with adapter.skipping("recent_weight", thresholds=1.5):
+            retrofit = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)
+    assert torch.equal(base, retrofit)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2_vl", "qwen3_vl"])
+@pytest.mark.parametrize("mode", ["beam", "sample", "static_cache"])
+def test_generation_modes_match_uncached_generation(family, mode):
+    """Beam search, sampling and a static cache under skipping equal `generate(use_cache=False)`."""
+    model, processor, adapter = _trained_like(family)
+    inputs = tiny_inputs(processor, batch=2)
+    options = {
+        "beam": dict(num_beams=2, do_sample=False),
+        "sample": dict(do_sample=True, top_k=0, top_p=1.0, temperature=1.0),
+        "static_cache": dict(do_sample=False, cache_implementation="static"),
+    }[mode]
+    policy = RecentWeightPolicy(thresholds=0.45)  # fires on part of the tokens of these routers
+
+    def run(use_cache):
+        torch.manual_seed(11)
+        with torch.no_grad(), adapter.skipping(policy) as report:
+            out = model.generate(**inputs, max_new_tokens=NEW_TOKENS, use_cache=use_cache, **options,
+                                 **_no_placeholders(model))
+        return out, report
+
+    cached, report = run(True)
+    uncached, _ = run(False)
+    assert torch.equal(cached, uncached)
+    assert sum(report.block_skipped_tokens) > 0
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_kv_only_cache_write_equals_what_the_attention_layer_writes(family):
+    """The kv-only path must leave exactly the K/V the real layer would have cached for the same input."""
+    model, processor, adapter = _trained_like(family)
+    inputs = tiny_inputs(processor, batch=1)
+    policy = RandomPolicy(rate=0.6, seed=4)
+
+    def run(kv_only_path):
+        controller = adapter.skipping(policy)
+        controller.kv_only_when_all_skip = kv_only_path
+        with torch.no_grad(), controller as report:
+            out = _generate(model, inputs)
+        return out, report
+
+    fast, fast_report = run(True)
+    slow, slow_report = run(False)
+    assert fast_report.layer_calls["kv_only"] > 0 and slow_report.layer_calls["kv_only"] == 0
+    assert torch.equal(fast.sequences, slow.sequences)
+    for fast_layer, slow_layer in zip(fast.past_key_values.layers, slow.past_key_values.layers):
+        torch.testing.assert_close(fast_layer.keys, slow_layer.keys, atol=1e-6, rtol=0)
+        torch.testing.assert_close(fast_layer.values, slow_layer.values, atol=1e-6, rtol=0)

@@ -1,0 +1,132 @@
+"""Skip semantics, budgets, never-skip blocks, accounting by hand, bad settings, and the training simulation."""
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from vlm_retrofit import RouterConfig, attach_routers
+from vlm_retrofit.skipping import LayerCost, PatternPolicy, SkipSimulation, StaticPolicy
+from vlm_retrofit.testing import tiny_inputs, tiny_vlm
+
+
+def _model(family="llama", layers=6, **config):
+    model, processor = tiny_vlm(family, num_hidden_layers=layers)
+    return model, processor, attach_routers(model, RouterConfig(**config))
+
+
+def _logits(model, inputs, **kwargs):
+    with torch.no_grad():
+        return model(**inputs, **kwargs).logits
+
+
+def test_skipping_at_uniform_routing_is_plain_layer_dropping():
+    model, processor, adapter = _model("qwen2_vl")
+    inputs = tiny_inputs(processor)
+    with adapter.skipping(StaticPolicy(blocks=[2, 3])):
+        skipped = _logits(model, inputs)
+    adapter.detach()
+    layers = model.get_decoder().layers
+    handles = [layers[i].register_forward_hook(lambda m, args, kwargs, out: args[0] if args else kwargs["hidden_states"],
+                                               with_kwargs=True) for i in (2, 3)]
+    try:
+        dropped = _logits(model, inputs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    torch.testing.assert_close(skipped, dropped, atol=1e-5, rtol=0)
+
+
+def test_a_skipped_delta_is_absent_not_a_zero_source():
+    model, processor, adapter = _model()
+    inputs = tiny_inputs(processor)
+    first_token_skips_block_2 = PatternPolicy(
+        lambda block, state: (torch.arange(state.routed_input.shape[1]) == 0).expand(state.routed_input.shape[:-1])
+        if block == 2 else None
+    )
+    with torch.no_grad(), adapter.skipping(first_token_skips_block_2):
+        model(**inputs)
+    alpha = adapter.last_routing_weights["3"]  # sources s0, then the deltas of blocks 0, 1, 2
+    assert alpha.shape[0] == 4
+    assert torch.all(alpha[3][:, 0] == 0), "skipped block's delta still takes routing weight"
+    assert torch.all(alpha[3][:, 1:] > 0)
+    torch.testing.assert_close(alpha[:, :, 0].sum(0), torch.ones(alpha.shape[1]))
+
+
+def _skip_everything(block, state):
+    return torch.ones(state.routed_input.shape[:-1], dtype=torch.bool)
+
+
+def test_never_skip_blocks_and_budget_are_honoured():
+    model, processor, adapter = _model(never_skip_blocks=[0, 3, 5])
+    inputs = tiny_inputs(processor)
+    with torch.no_grad(), adapter.skipping(PatternPolicy(_skip_everything)) as report:
+        model(**inputs)
+    assert [r > 0 for r in report.skip_rates] == [False, True, True, False, True, False]
+    with torch.no_grad(), adapter.skipping(PatternPolicy(_skip_everything), budget=2) as report:
+        model(**inputs)
+    assert report.skip_rates == [0.0, 1.0, 1.0, 0.0, 0.0, 0.0]  # the first two skippable blocks use the budget
+    with torch.no_grad(), adapter.skipping(PatternPolicy(_skip_everything), budget=0.34) as report:
+        model(**inputs)  # a third of 3 skippable blocks: 1
+    assert report.skip_rates == [0.0, 1.0, 0.0, 0.0, 0.0, 0.0]
+
+
+def test_accounting_matches_a_hand_computed_case():
+    # llama tiny: d=64, 4 heads x 16, 2 kv heads, MLP 128; 4 layers, block 2 skipped by every token.
+    model, processor, adapter = _model(layers=4)
+    cost = LayerCost.from_config(model.config)
+    assert (cost.dense, cost.kv_projection) == (2 * 64 * 64 + 4 * 64 * 32 + 2 * 64 * 64 + 3 * 2 * 64 * 128, 4 * 64 * 32)
+    input_ids = torch.tensor([[5, 6, 7, 8, 9]])
+    per_layer_prefill = 5 * 73728 + 4 * 64 * (5 * 6 // 2)  # dense + causal attention over 15 (query, key) pairs
+    per_layer_decode = 73728 + 4 * 64 * 6                # one new token attending to a context of 6
+    with torch.no_grad(), adapter.skipping(StaticPolicy(blocks=[2])) as report:
+        cache = DynamicCache(config=model.config)
+        model(input_ids=input_ids, cache=cache, use_cache=True)
+        model(input_ids=torch.tensor([[10]]), cache=cache, use_cache=True)
+    assert report.prefill.full_flops == 4 * per_layer_prefill
+    assert report.prefill.executed_flops == 3 * per_layer_prefill + 5 * 8192
+    assert report.decode.full_flops == 4 * per_layer_decode
+    assert report.decode.executed_flops == 3 * per_layer_decode + 8192
+    # Skippable blocks are 1 and 2 (0 and 3 never skip): block 1 ran in full, block 2 only wrote its K/V.
+    assert report.layer_calls == {"full": 2, "mixed": 0, "kv_only": 2, "skipped": 0}
+    assert report.skip_rates == [0.0, 0.0, 1.0, 0.0]
+    assert cache.get_seq_length() == 6 and all(layer.keys.shape[2] == 6 for layer in cache.layers)
+    expected = 1 - (3 * (per_layer_prefill + per_layer_decode) + 6 * 8192) / (4 * (per_layer_prefill + per_layer_decode))
+    assert report.compute_saved == pytest.approx(expected)
+
+
+def test_bad_settings_are_refused_with_the_valid_choices():
+    model, processor, adapter = _model()
+    with pytest.raises(ValueError, match="valid policies: recent_weight, gate, static, random"):
+        adapter.skipping("fastest")
+    with pytest.raises(ValueError, match=r"skippable blocks are \[1, 2, 3, 4\]"):
+        adapter.skipping("static", blocks=[0])
+    with pytest.raises(ValueError, match=r"block\(s\) \[9\]"):
+        adapter.skipping("recent_weight", thresholds={9: 0.5})
+    with pytest.raises(ValueError, match="skip_gate=True"):
+        adapter.skipping("gate")
+    with pytest.raises(ValueError, match="calibrate"):
+        adapter.skipping("recent_weight", target_saving=0.3)
+    with pytest.raises(ValueError, match="budget"):
+        adapter.skipping("random", rate=0.2, budget=-1)
+
+
+def test_simulation_is_the_inference_skip_function_and_trains_the_gates():
+    model, processor, adapter = _model(skip_gate=True)
+    inputs = tiny_inputs(processor)
+    simulation = SkipSimulation(adapter, drop_rate=0.4, use_gates=True, generator=torch.Generator().manual_seed(0))
+    with simulation:
+        simulated = model(**inputs).logits
+        masks = {block: ~simulation.ran(block) for block in adapter.layout.skippable_blocks}
+    assert any(m.any() for m in masks.values()) and not all(m.all() for m in masks.values())
+    # Replaying the sampled masks through the inference runtime gives the same logits.
+    with torch.no_grad(), adapter.skipping(PatternPolicy(lambda block, state: masks.get(block))):
+        replayed = model(**inputs).logits
+    torch.testing.assert_close(simulated.detach(), replayed, atol=1e-5, rtol=0)
+    # Straight-through gradients reach the gates; the compute estimate is differentiable too.
+    expected = simulation.expected_compute()
+    assert 0 < expected.item() < 1
+    (simulated.float().pow(2).mean() + expected).backward()
+    for block, gate in adapter.gates.items():
+        assert gate.query.grad is not None and gate.query.grad.abs().sum() > 0, block
+    assert set(simulation.realised_keep) == set(adapter.layout.skippable_blocks)
+    assert all(0 <= keep <= 1 for keep in simulation.realised_keep.values())

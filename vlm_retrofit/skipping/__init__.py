@@ -1,0 +1,31 @@
+"""ReSkip: skip decoder blocks per token from the routing signal, with a kv-only cache path and honest accounting."""
+
+from .accounting import LayerCost, SkipReport
+from .policies import (
+    POLICIES,
+    GatePolicy,
+    PatternPolicy,
+    RandomPolicy,
+    RecentWeightPolicy,
+    SkipPolicy,
+    StaticPolicy,
+    make_policy,
+)
+from .runtime import SkipController, kv_only
+from .simulation import SkipSimulation
+
+__all__ = [
+    "POLICIES",
+    "GatePolicy",
+    "LayerCost",
+    "PatternPolicy",
+    "RandomPolicy",
+    "RecentWeightPolicy",
+    "SkipController",
+    "SkipPolicy",
+    "SkipReport",
+    "SkipSimulation",
+    "StaticPolicy",
+    "kv_only",
+    "make_policy",
+]

@@ -1,0 +1,154 @@
+"""SkipReport: decoder-block compute counted from what actually ran (kv-only cost and context length included)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """FLOPs of one decoder layer per token, from config dimensions (multiply-adds count as 2)."""
+
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    mlp_matrices: int = 3  # gated MLP: gate, up, down
+
+    @classmethod
+    def from_config(cls, text_config: Any) -> "LayerCost":
+        heads = int(text_config.num_attention_heads)
+        head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // heads
+        return cls(
+            hidden_size=int(text_config.hidden_size),
+            num_heads=heads,
+            num_kv_heads=int(getattr(text_config, "num_key_value_heads", None) or heads),
+            head_dim=int(head_dim),
+            intermediate_size=int(text_config.intermediate_size),
+        )
+
+    @property
+    def kv_projection(self) -> int:
+        """k and v projections of one token: all the kv-only path does (norm and rotary are negligible)."""
+        return 2 * 2 * self.hidden_size * self.num_kv_heads * self.head_dim
+
+    @property
+    def dense(self) -> int:
+        """Everything in a layer that does not depend on the context: q/k/v/o projections and the MLP."""
+        d, q = self.hidden_size, self.num_heads * self.head_dim
+        return 2 * d * q + self.kv_projection + 2 * q * d + self.mlp_matrices * 2 * d * self.intermediate_size
+
+    def attention(self, new_tokens: int, kv_length: int) -> int:
+        """Scores and weighted values for `new_tokens` causal queries ending at a context of `kv_length`."""
+        past = kv_length - new_tokens
+        attended = new_tokens * past + new_tokens * (new_tokens + 1) // 2
+        return 2 * 2 * self.num_heads * self.head_dim * attended
+
+    def full(self, batch: int, new_tokens: int, kv_length: int) -> int:
+        return batch * (new_tokens * self.dense + self.attention(new_tokens, kv_length))
+
+    def kv_only(self, batch: int, new_tokens: int) -> int:
+        return batch * new_tokens * self.kv_projection
+
+
+@dataclass
+class PhaseCount:
+    """FLOPs of one phase (prefill or decode) of generation."""
+
+    executed_flops: int = 0
+    full_flops: int = 0
+    tokens: int = 0
+    forwards: int = 0
+
+    @property
+    def compute_saved(self) -> float:
+        return 1.0 - self.executed_flops / self.full_flops if self.full_flops else 0.0
+
+
+@dataclass
+class SkipReport:
+    """What a skipping context really ran.
+
+    `executed_flops / full_flops` covers decoder blocks only (embeddings, vision tower and LM head are the
+    same with and without skipping). A layer counts as executed whenever it ran for any token of the step
+    (mixed steps compute and select); a layer skipped by every token costs its kv-only cache write.
+    """
+
+    num_blocks: int
+    policy: str = ""
+    prefill: PhaseCount = field(default_factory=PhaseCount)
+    decode: PhaseCount = field(default_factory=PhaseCount)
+    block_tokens: list[int] = field(default_factory=list)
+    block_skipped_tokens: list[int] = field(default_factory=list)
+    layer_calls: dict[str, int] = field(default_factory=lambda: {"full": 0, "mixed": 0, "kv_only": 0, "skipped": 0})
+    wall_seconds: float = 0.0
+    generated_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        self.block_tokens = self.block_tokens or [0] * self.num_blocks
+        self.block_skipped_tokens = self.block_skipped_tokens or [0] * self.num_blocks
+
+    # -- recording (called by the skip runtime) ---------------------------------------------------------
+    def phase(self, is_prefill: bool) -> PhaseCount:
+        return self.prefill if is_prefill else self.decode
+
+    def record_decision(self, block: int, tokens: int, skipped: int) -> None:
+        self.block_tokens[block] += tokens
+        self.block_skipped_tokens[block] += skipped
+
+    def record_layer(self, kind: str, executed: int, full: int, is_prefill: bool) -> None:
+        self.layer_calls[kind] += 1
+        phase = self.phase(is_prefill)
+        phase.executed_flops += executed
+        phase.full_flops += full
+
+    # -- results ----------------------------------------------------------------------------------------
+    @property
+    def executed_flops(self) -> int:
+        return self.prefill.executed_flops + self.decode.executed_flops
+
+    @property
+    def full_flops(self) -> int:
+        return self.prefill.full_flops + self.decode.full_flops
+
+    @property
+    def compute_saved(self) -> float:
+        """1 - executed / full decoder-block FLOPs over the whole context."""
+        return 1.0 - self.executed_flops / self.full_flops if self.full_flops else 0.0
+
+    @property
+    def skip_rates(self) -> list[float]:
+        """Fraction of token decisions that skipped each block (0 for blocks that never skip)."""
+        return [s / t if t else 0.0 for s, t in zip(self.block_skipped_tokens, self.block_tokens)]
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.generated_tokens / self.wall_seconds if self.wall_seconds > 0 else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "policy": self.policy,
+            "compute_saved": self.compute_saved,
+            "compute_saved_prefill": self.prefill.compute_saved,
+            "compute_saved_decode": self.decode.compute_saved,
+            "executed_flops": self.executed_flops,
+            "full_flops": self.full_flops,
+            "skip_rates": self.skip_rates,
+            "layer_calls": dict(self.layer_calls),
+            "prefill_tokens": self.prefill.tokens,
+            "decode_tokens": self.decode.tokens,
+            "generated_tokens": self.generated_tokens,
+            "wall_seconds": self.wall_seconds,
+            "tokens_per_second": self.tokens_per_second,
+        }
+
+    def summary(self) -> str:
+        rates = " ".join(f"{r:.2f}" for r in self.skip_rates)
+        return (
+            f"decoder-block compute saved {100 * self.compute_saved:.1f} % "
+            f"(prefill {100 * self.prefill.compute_saved:.1f} %, decode {100 * self.decode.compute_saved:.1f} %); "
+            f"{self.generated_tokens} tokens in {self.wall_seconds:.2f} s ({self.tokens_per_second:.1f} tok/s); "
+            f"skip rate per block: {rates}"
+        )

@@ -1,0 +1,158 @@
+"""Skip policies: per-token decisions, made from the routing state before a block runs (DESIGN §4)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+import torch
+from torch import Tensor
+
+from ..routing.config import BlockLayout
+
+
+class SkipPolicy:
+    """Decides, before block `block` runs, which tokens skip it. Only asked for skippable blocks."""
+
+    name = "custom"
+
+    def validate(self, layout: BlockLayout, adapter: Any) -> None:
+        """Refuse settings that do not exist for this backbone (called once, before any forward)."""
+
+    def skip_mask(self, block: int, state: Any, adapter: Any) -> Tensor | None:
+        """Bool [B, T]: True where the token skips the block; None = every token runs it."""
+        raise NotImplementedError
+
+
+def _check_blocks(what: str, blocks, layout: BlockLayout) -> None:
+    bad = sorted(b for b in blocks if b not in layout.skippable_blocks)
+    if bad:
+        raise ValueError(
+            f"{what} names block(s) {bad}, which cannot be skipped on this backbone; skippable blocks are "
+            f"{list(layout.skippable_blocks)} (never-skip: {list(layout.never_skip_blocks)})"
+        )
+
+
+def recent_source_weight(state: Any, key: str) -> Tensor:
+    """alpha on the most recent *present* source of each token, [B, T], from router `key`'s last weights."""
+    alpha = state.alphas[key]  # [K, B, T]
+    k = alpha.shape[0]
+    present = torch.stack([torch.ones_like(alpha[0], dtype=torch.bool) if p is None else p for p in state.present[:k]])
+    index = torch.arange(k, device=alpha.device).view(k, 1, 1) * present
+    return alpha.gather(0, index.amax(0, keepdim=True)).squeeze(0)
+
+
+class RecentWeightPolicy(SkipPolicy):
+    """Skip when the router puts more than a per-block threshold on the most recent present source (ReSkip)."""
+
+    name = "recent_weight"
+
+    def __init__(self, thresholds: float | Mapping[int, float]) -> None:
+        self.thresholds = thresholds
+
+    def threshold(self, block: int) -> float | None:
+        if isinstance(self.thresholds, Mapping):
+            return self.thresholds.get(block)
+        return float(self.thresholds)
+
+    def validate(self, layout: BlockLayout, adapter: Any) -> None:
+        if isinstance(self.thresholds, Mapping):
+            _check_blocks("recent_weight thresholds", self.thresholds, layout)
+        if 0 in layout.skippable_blocks:
+            raise ValueError("recent_weight cannot decide block 0: its router has a single source. Mark block 0 never-skip")
+
+    def skip_mask(self, block: int, state: Any, adapter: Any) -> Tensor | None:
+        threshold = self.threshold(block)
+        if threshold is None:
+            return None
+        return recent_source_weight(state, str(block)) > threshold
+
+
+class GatePolicy(SkipPolicy):
+    """Skip when the learned gate's run probability falls below `threshold`."""
+
+    name = "gate"
+
+    def __init__(self, threshold: float | Mapping[int, float] = 0.5) -> None:
+        self.threshold = threshold
+
+    def validate(self, layout: BlockLayout, adapter: Any) -> None:
+        if not adapter.config.skip_gate:
+            raise ValueError("the gate policy needs an adapter trained with RouterConfig(skip_gate=True); "
+                             "use recent_weight, static or random instead")
+        if isinstance(self.threshold, Mapping):
+            _check_blocks("gate thresholds", self.threshold, layout)
+
+    def skip_mask(self, block: int, state: Any, adapter: Any) -> Tensor | None:
+        threshold = self.threshold.get(block) if isinstance(self.threshold, Mapping) else self.threshold
+        if threshold is None:
+            return None
+        return adapter.gates[str(block)](state.routed_input, adapter.config.key_norm_eps) < threshold
+
+
+class StaticPolicy(SkipPolicy):
+    """A fixed set of blocks removed for every token (e.g. chosen by Block Influence on calibration data)."""
+
+    name = "static"
+
+    def __init__(self, blocks: list[int]) -> None:
+        self.blocks = frozenset(int(b) for b in blocks)
+
+    def validate(self, layout: BlockLayout, adapter: Any) -> None:
+        _check_blocks("static blocks", self.blocks, layout)
+
+    def skip_mask(self, block: int, state: Any, adapter: Any) -> Tensor | None:
+        if block not in self.blocks:
+            return None
+        return torch.ones(state.routed_input.shape[:-1], dtype=torch.bool, device=state.routed_input.device)
+
+
+class RandomPolicy(SkipPolicy):
+    """Skip each (token, block) with probability `rate`, by a hash of the token's decoder input.
+
+    A hash rather than an RNG stream: the same token gets the same decision with and without a KV cache
+    and across runs, so random baselines are reproducible and comparable.
+    """
+
+    name = "random"
+
+    def __init__(self, rate: float, seed: int = 0) -> None:
+        if not 0.0 <= rate <= 1.0:
+            raise ValueError(f"random skip rate must be in [0, 1], got {rate}")
+        self.rate, self.seed = float(rate), int(seed)
+        self._direction: Tensor | None = None
+
+    def skip_mask(self, block: int, state: Any, adapter: Any) -> Tensor | None:
+        token = state.normed[0]  # RMS-normalised decoder input: identical for the same token in any pass
+        if self._direction is None or self._direction.shape[0] != token.shape[-1]:
+            generator = torch.Generator().manual_seed(self.seed)
+            self._direction = torch.randn(token.shape[-1], generator=generator, dtype=torch.float64)
+        projection = token.double() @ self._direction.to(token.device)
+        uniform = torch.frac(torch.sin(projection * 12.9898 + 78.233 * (block + 1)) * 43758.5453).abs()
+        return uniform < self.rate
+
+
+class PatternPolicy(SkipPolicy):
+    """Skip by a user function `fn(block, state) -> bool [B, T]` (tests, custom rules)."""
+
+    name = "pattern"
+
+    def __init__(self, fn: Callable[[int, Any], Tensor | None]) -> None:
+        self.fn = fn
+
+    def skip_mask(self, block: int, state: Any, adapter: Any) -> Tensor | None:
+        return self.fn(block, state)
+
+
+POLICIES: dict[str, type[SkipPolicy]] = {
+    "recent_weight": RecentWeightPolicy,
+    "gate": GatePolicy,
+    "static": StaticPolicy,
+    "random": RandomPolicy,
+}
+
+
+def make_policy(name: str, **kwargs: Any) -> SkipPolicy:
+    """Build a policy by name; unknown names are refused with the valid ones."""
+    if name not in POLICIES:
+        raise ValueError(f"unknown skip policy {name!r}; valid policies: {', '.join(POLICIES)}")
+    return POLICIES[name](**kwargs)

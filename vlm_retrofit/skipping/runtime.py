@@ -1,0 +1,222 @@
+"""The skip runtime: per-token block decisions, skipped layers as identity with a kv-only cache write."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import torch
+from torch import Tensor, nn
+
+from ..routing.adapter import RouterAdapter
+from .accounting import LayerCost, SkipReport
+from .policies import SkipPolicy
+
+
+def kv_only(layer: nn.Module, parts: Any, hidden: Tensor, kwargs: dict) -> None:
+    """Write a skipped layer's K/V for `hidden` into the cache: input norm -> k/v proj -> k-norm -> rotary.
+
+    Every layer's cache must grow every step: HF computes the mask's kv-length once per forward from one
+    layer's cache, and a missing entry crashes padded batches or silently corrupts the rest (DESIGN §3).
+    """
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    if cache is None:
+        return
+    attention = parts.attention
+    normed = parts.input_norm(hidden)
+    shape = (*hidden.shape[:-1], -1, attention.head_dim)
+    keys = parts.k_proj(normed).view(shape)
+    if parts.k_norm is not None:
+        keys = parts.k_norm(keys)  # per-head norm over head_dim: same result before or after the transpose
+    keys = keys.transpose(1, 2)
+    values = parts.v_proj(normed).view(shape).transpose(1, 2)
+    cos, sin = kwargs["position_embeddings"]
+    _, keys = parts.rotary_fn(keys, keys, cos, sin)
+    extra = {k: v for k, v in kwargs.items() if k not in ("cache", "past_key_values", "position_embeddings", "attention_mask")}
+    cache.update(keys, values, attention.layer_idx, kwargs=extra)
+
+
+def _hidden_of(args: tuple, kwargs: dict) -> Tensor:
+    return args[0] if args else kwargs["hidden_states"]
+
+
+def _map_output(output: Any, fn: Callable[[Tensor], Tensor]) -> Any:
+    # transformers 5 layers return a Tensor; older ones a tuple whose first item is the hidden state.
+    if isinstance(output, tuple):
+        return (fn(output[0]), *output[1:])
+    return fn(output)
+
+
+class SkipController:
+    """Context manager that lets a policy skip blocks per token while the model runs.
+
+    Inside the context, each skippable block's layers are patched (on the instances, restored on exit):
+    * every token runs → the original layer;
+    * every token skips → identity, plus the kv-only cache write (no other work: compute really saved);
+    * mixed → run and select with `where(skip, input, layer(input))` — the same function a no-cache
+      reference applies, so cached and uncached generation agree (invariant 2).
+    A skipped block's delta is *absent* for that token in later routers (masked, not a zero source).
+    """
+
+    mode = "select"
+    kv_only_when_all_skip = True
+    """False runs fully skipped steps through the real layer and selects, as a reference for the kv-only path."""
+
+    def __init__(self, adapter: RouterAdapter, policy: SkipPolicy | None = None, *, budget: int | float | None = None) -> None:
+        self.adapter = adapter
+        self.layout = adapter.layout
+        self.policy = policy
+        self.budget = _resolve_budget(budget, len(self.layout.skippable_blocks))
+        self.skippable = frozenset(self.layout.skippable_blocks)
+        if policy is not None:
+            policy.validate(self.layout, adapter)
+        self.report = SkipReport(num_blocks=self.layout.num_blocks, policy=getattr(policy, "name", ""))
+        self.cost = LayerCost.from_config(adapter.spec.get_text_config(adapter.model))
+        self._skip: dict[int, Tensor | None] = {}
+        self._used: Tensor | None = None
+        self._forward_counted = False
+        self._unpatched_layers = self.layout.num_layers - sum(len(self.layout.layers_of_block(b)) for b in self.skippable)
+        self._restore: list[tuple[nn.Module, Any]] = []
+        self._started = 0.0
+
+    # -- context ---------------------------------------------------------------------------------------
+    def __enter__(self) -> SkipReport:
+        adapter = self.adapter
+        if not adapter.attached:
+            raise RuntimeError("skipping needs an attached adapter")
+        adapter._set_controller(self)
+        layers = adapter.spec.get_layers(adapter.model)
+        try:
+            for block in self.layout.skippable_blocks:
+                for index in self.layout.layers_of_block(block):
+                    self._patch(block, layers[index])
+        except BaseException:
+            self._unpatch()
+            adapter._set_controller(None)
+            raise
+        self._started = time.perf_counter()
+        return self.report
+
+    def __exit__(self, *exc: Any) -> None:
+        self.report.wall_seconds += time.perf_counter() - self._started
+        self._unpatch()
+        self.adapter._set_controller(None)
+        self._skip.clear()
+
+    def _patch(self, block: int, layer: nn.Module) -> None:
+        original = layer.forward  # bound method of the class (or an earlier instance patch)
+        had_instance_forward = "forward" in layer.__dict__
+        parts = self.adapter.spec.attention_parts(layer)
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            return self._layer_forward(block, layer, parts, original, args, kwargs)
+
+        self._restore.append((layer, layer.__dict__["forward"] if had_instance_forward else None))
+        layer.forward = forward
+
+    def _unpatch(self) -> None:
+        for layer, previous in reversed(self._restore):
+            if previous is None:
+                layer.__dict__.pop("forward", None)
+            else:
+                layer.forward = previous
+        self._restore.clear()
+
+    # -- adapter callbacks -----------------------------------------------------------------------------
+    def begin_forward(self, state: Any) -> None:
+        self._skip.clear()
+        self._used = None
+        self._forward_counted = False
+
+    def decide(self, block: int, state: Any) -> None:
+        if block not in self.skippable or self.policy is None:
+            self._skip[block] = None
+            return
+        skip = self.policy.skip_mask(block, state, self.adapter)
+        self._skip[block] = self._apply_budget(skip)
+        if self._skip[block] is not None:
+            tokens = self._skip[block].numel()
+            self.report.record_decision(block, tokens, int(self._skip[block].sum()))
+        else:
+            self.report.record_decision(block, state.routed_input.shape[:-1].numel(), 0)
+
+    def _apply_budget(self, skip: Tensor | None) -> Tensor | None:
+        if skip is None or self.budget is None:
+            return skip
+        if self._used is None:
+            self._used = torch.zeros(skip.shape, dtype=torch.int32, device=skip.device)
+        skip = skip & (self._used < self.budget)
+        self._used += skip.to(torch.int32)
+        return skip
+
+    def ran(self, block: int) -> Tensor | None:
+        """Bool [B, T] run mask of `block` in this forward (None: every token ran it)."""
+        skip = self._skip.get(block)
+        return None if skip is None else ~skip
+
+    # -- the patched layer -----------------------------------------------------------------------------
+    def _layer_forward(self, block: int, layer: nn.Module, parts: Any, original: Callable, args: tuple, kwargs: dict) -> Any:
+        hidden = _hidden_of(args, kwargs)
+        skip = self._skip.get(block) if self.adapter.enabled else None
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        batch, new_tokens = hidden.shape[0], hidden.shape[1]
+        past = cache.get_seq_length(parts.attention.layer_idx) if cache is not None else 0
+        is_prefill = past == 0
+        full = self.cost.full(batch, new_tokens, past + new_tokens)
+        if not self._forward_counted:
+            self._forward_counted = True
+            phase = self.report.phase(is_prefill)
+            phase.forwards += 1
+            phase.tokens += batch * new_tokens
+            self.report.generated_tokens += batch  # each forward of generate yields one token per row
+            # Never-skip layers are not patched; they always run in full.
+            always = self.cost.full(batch, new_tokens, past + new_tokens) * self._unpatched_layers
+            phase.executed_flops += always
+            phase.full_flops += always
+        if skip is None or (self.mode == "select" and not bool(skip.any())):
+            self.report.record_layer("full", full, full, is_prefill)
+            return original(*args, **kwargs)
+        if self.mode == "select" and self.kv_only_when_all_skip and bool(skip.all()):
+            kv_only(layer, parts, hidden, kwargs)
+            kind = "kv_only" if cache is not None else "skipped"
+            executed = self.cost.kv_only(batch, new_tokens) if cache is not None else 0
+            self.report.record_layer(kind, executed, full, is_prefill)
+            return hidden
+        self.report.record_layer("mixed", full, full, is_prefill)
+        return _map_output(original(*args, **kwargs), lambda out: self._combine(block, hidden, out, skip))
+
+    def _combine(self, block: int, hidden: Tensor, out: Tensor, skip: Tensor) -> Tensor:
+        return torch.where(skip[..., None], hidden, out)
+
+
+def _resolve_budget(budget: int | float | None, skippable: int) -> int | None:
+    """Per-token skip budget: an int is a number of blocks, a float in (0, 1) a fraction of the skippable ones."""
+    if budget is None:
+        return None
+    if isinstance(budget, float) and 0 < budget < 1:
+        return int(budget * skippable)
+    if budget < 0 or int(budget) != budget:
+        raise ValueError(f"skip budget must be a block count >= 0 or a fraction in (0, 1), got {budget}")
+    return int(budget)
+
+
+def skipping(adapter: RouterAdapter, policy: str | SkipPolicy = "recent_weight", *, budget: int | float | None = None,
+             target_saving: float | None = None, **policy_kwargs: Any) -> SkipController:
+    """Build the skip context behind `adapter.skipping(...)`; see `RouterAdapter.skipping`."""
+    from .policies import make_policy
+
+    if isinstance(policy, SkipPolicy):
+        if policy_kwargs or target_saving is not None:
+            raise ValueError("pass either a SkipPolicy instance or a policy name with its settings, not both")
+        return SkipController(adapter, policy, budget=budget)
+    if target_saving is not None:
+        calibrated = adapter.calibration.get(policy, {})
+        key = f"{float(target_saving):.4f}"
+        if key not in calibrated:
+            available = sorted(calibrated) or "none"
+            raise ValueError(
+                f"no {policy!r} calibration for target_saving={target_saving} on this adapter (calibrated: {available}). "
+                "Run vlm_retrofit.calibrate(...) first, or pass thresholds explicitly"
+            )
+        policy_kwargs = {**calibrated[key], **policy_kwargs}
+    return SkipController(adapter, make_policy(policy, **policy_kwargs), budget=budget)

@@ -1,0 +1,81 @@
+"""Training-time skip simulation: the inference skip function with sampled masks and straight-through gates."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..routing.adapter import RouterAdapter
+from .runtime import SkipController
+
+
+class SkipSimulation(SkipController):
+    """Sample per-token skips for every skippable block during one training forward.
+
+    A token runs block n when its gate sample says so (if `use_gates` and the adapter has gates) and the
+    drop-rate draw does not drop it. The layer output is `input + m * (layer(input) - input)` with m the
+    0/1 run decision: in value exactly `where(skip, input, layer(input))`, the function cached inference
+    uses (invariant 2). With gates, `m = hard + p - p.detach()` carries the straight-through gradient to
+    the gate; the skipped block's delta is absent from later routers just as at inference.
+    """
+
+    mode = "blend"
+
+    def __init__(self, adapter: RouterAdapter, drop_rate: float = 0.0, *, use_gates: bool = True,
+                 budget: int | float | None = None, generator: torch.Generator | None = None) -> None:
+        super().__init__(adapter, policy=None, budget=budget)
+        if not 0.0 <= drop_rate < 1.0:
+            raise ValueError(f"drop_rate must be in [0, 1), got {drop_rate}")
+        self.drop_rate = float(drop_rate)
+        self.use_gates = bool(use_gates and adapter.config.skip_gate)
+        self.generator = generator
+        self._multiplier: dict[int, Tensor] = {}
+        self.expected_keep: dict[int, Tensor] = {}
+        self.realised_keep: dict[int, float] = {}
+
+    def begin_forward(self, state: Any) -> None:
+        super().begin_forward(state)
+        self._multiplier.clear()
+        self.expected_keep.clear()
+        self.realised_keep.clear()
+
+    def _uniform(self, like: Tensor) -> Tensor:
+        # Drawn on the CPU generator so runs are reproducible on any device, then moved.
+        return torch.rand(like.shape, generator=self.generator).to(like.device)
+
+    def decide(self, block: int, state: Any) -> None:
+        if block not in self.skippable:
+            self._skip[block] = None
+            return
+        routed = state.routed_input
+        run = self._uniform(routed[..., 0]) >= self.drop_rate
+        keep_prob = torch.full((), 1.0 - self.drop_rate, device=routed.device)
+        gate_prob = None
+        if self.use_gates:
+            gate_prob = self.adapter.gates[str(block)](routed, self.adapter.config.key_norm_eps)
+            run = run & (self._uniform(gate_prob) < gate_prob.detach())
+            keep_prob = gate_prob.mean() * (1.0 - self.drop_rate)
+        skip = self._apply_budget(~run)  # a token out of budget runs the block after all
+        multiplier = (~skip).float()
+        if gate_prob is not None:
+            multiplier = multiplier + (gate_prob - gate_prob.detach())  # straight-through: value unchanged
+        self._skip[block] = skip
+        self._multiplier[block] = multiplier
+        self.expected_keep[block] = keep_prob
+        self.realised_keep[block] = 1.0 - float(skip.float().mean())
+        self.report.record_decision(block, skip.numel(), int(skip.sum()))
+
+    def _combine(self, block: int, hidden: Tensor, out: Tensor, skip: Tensor) -> Tensor:
+        multiplier = self._multiplier[block].to(hidden.dtype)[..., None]
+        return hidden + multiplier * (out - hidden)
+
+    def expected_compute(self) -> Tensor:
+        """Expected executed fraction of decoder-layer compute (differentiable through the gates)."""
+        layout = self.layout
+        total: Tensor | float = 0.0
+        for block in range(layout.num_blocks):
+            keep = self.expected_keep.get(block)
+            total = total + len(layout.layers_of_block(block)) * (keep if keep is not None else 1.0)
+        return torch.as_tensor(total) / layout.num_layers
