@@ -1,0 +1,173 @@
+"""Counting skipped samples: per-worker counters, run totals, the bad-fraction check and a Lightning callback."""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from typing import Any, Mapping
+
+import lightning.pytorch as pl
+import torch
+
+log = logging.getLogger("vlm_retrofit.datamodules")
+
+#: Every reason a sample can be skipped for (all are logged every epoch, zeros included).
+REASONS: tuple[str, ...] = (
+    "corrupt_image",  # image bytes that PIL cannot decode (truncated / garbage)
+    "huge_image",  # more pixels than `max_image_pixels` (refused before decoding)
+    "missing_image",  # a caption, or a conversation that mentions an image, without an image file
+    "missing_text",  # no caption / conversation file in the sample
+    "empty_text",  # caption or every assistant turn is empty
+    "bad_json",  # json text that does not parse or has no recognisable caption / conversation
+    "truncated_tar",  # a shard damaged after its start (ends early); the rest of that shard is lost
+    "unreadable_shard",  # a shard that cannot be opened or read at all (missing, not a tar, failing pipe / http)
+    "too_long",  # the prompt (with its image tokens) alone exceeds `max_length`
+    "format_error",  # the processor rejected the sample
+)
+
+#: Batch entries that are not model inputs (pop them before `model(**batch)`; see `model_inputs`).
+META_KEYS: tuple[str, ...] = ("loss_mask", "skipped", "skipped_shards", "num_samples")
+
+
+class DataQualityError(RuntimeError):
+    """Too large a fraction of the training samples was unusable."""
+
+
+class SkipCounter:
+    """Skips seen by ONE producer (a DataLoader worker, or the main process with `num_workers=0`).
+
+    `skip()` logs one warning line naming shard, key and reason; `take()` returns the counts since the previous
+    `take()` and resets them, so every batch carries only its own news and the main process can simply sum.
+    """
+
+    def __init__(self) -> None:
+        self.reasons: Counter[str] = Counter()
+        self.shards: Counter[str] = Counter()
+
+    def skip(self, reason: str, shard: str, key: str | None, detail: Any = "") -> None:
+        assert reason in REASONS, reason
+        self.reasons[reason] += 1
+        self.shards[str(shard)] += 1
+        detail = str(detail).splitlines()[0][:200] if str(detail) else ""
+        log.warning("skipped sample %r in shard %s: %s%s", key, shard, reason, f" ({detail})" if detail else "")
+
+    def take(self) -> tuple[dict[str, int], dict[str, int]]:
+        reasons, shards = dict(self.reasons), dict(self.shards)
+        self.reasons.clear()
+        self.shards.clear()
+        return reasons, shards
+
+
+def check_bad_fraction(
+    skipped: Mapping[str, int],
+    num_good: int,
+    max_bad_fraction: float = 0.05,
+    min_samples: int = 100,
+    shard_counts: Mapping[str, int] | None = None,
+    top: int = 5,
+) -> float:
+    """Return bad / (bad + good); raise `DataQualityError` if it exceeds `max_bad_fraction`.
+
+    Nothing is raised before `min_samples` samples (good + bad) were seen, so a few early bad samples cannot stop
+    a run. The message names the `top` shards with the most skipped samples (from `shard_counts`).
+    """
+    bad = int(sum(skipped.values()))
+    total = bad + int(num_good)
+    frac = bad / total if total else 0.0
+    if total >= min_samples and frac > max_bad_fraction:
+        worst = sorted((shard_counts or {}).items(), key=lambda kv: (-kv[1], kv[0]))[:top]
+        by_reason = ", ".join(f"{r}={n}" for r, n in sorted(skipped.items()) if n)
+        shards = "; ".join(f"{s} ({n} skipped)" for s, n in worst) or "unknown"
+        raise DataQualityError(
+            f"{bad} of {total} training samples ({frac:.1%}) were unusable, more than max_bad_fraction="
+            f"{max_bad_fraction:.1%} [{by_reason}]. Worst shards: {shards}. Fix or drop these shards, or raise "
+            "max_bad_fraction."
+        )
+    return frac
+
+
+class DataQualityTracker:
+    """Running totals over the batches one process consumed (fed from `batch["skipped"]` etc.)."""
+
+    def __init__(self) -> None:
+        self.skipped: Counter[str] = Counter()
+        self.shards: Counter[str] = Counter()
+        self.num_good = 0
+
+    def update(self, batch: Mapping[str, Any]) -> None:
+        self.skipped.update({k: int(v) for k, v in (batch.get("skipped") or {}).items()})
+        self.shards.update({k: int(v) for k, v in (batch.get("skipped_shards") or {}).items()})
+        n = batch.get("num_samples")
+        if n is None and "input_ids" in batch:
+            n = len(batch["input_ids"])
+        self.num_good += int(n or 0)
+
+    def totals(self) -> dict[str, int]:
+        """Counts for every reason in `REASONS` (zeros included) plus any unexpected extra reason."""
+        return {r: int(self.skipped.get(r, 0)) for r in (*REASONS, *sorted(set(self.skipped) - set(REASONS)))}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"skipped": dict(self.skipped), "shards": dict(self.shards), "num_good": self.num_good}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.skipped = Counter(state.get("skipped", {}))
+        self.shards = Counter(state.get("shards", {}))
+        self.num_good = int(state.get("num_good", 0))
+
+
+class DataQualityCallback(pl.Callback):
+    """Sums the skip counts that training batches carry, logs them every epoch and stops on too much bad data.
+
+    Logged at every train epoch end (running totals since the start of the run, summed over ranks):
+    `data/skipped/<reason>` for every reason in `REASONS`, `data/samples` (usable samples) and
+    `data/bad_fraction`. Raises `DataQualityError` (naming the worst shards) when the bad fraction exceeds
+    `max_bad_fraction` after at least `min_samples` samples; also checked after every `check_every_n_batches`
+    batches so a broken data set stops a run early. It removes `skipped_shards` from the batch (not a model input).
+    """
+
+    def __init__(self, max_bad_fraction: float = 0.05, min_samples: int = 100, check_every_n_batches: int = 50):
+        super().__init__()
+        self.max_bad_fraction = max_bad_fraction
+        self.min_samples = min_samples
+        self.check_every_n_batches = check_every_n_batches
+        self.tracker = DataQualityTracker()
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if isinstance(batch, dict):
+            self.tracker.update(batch)
+            batch.pop("skipped_shards", None)
+        if self.check_every_n_batches and (batch_idx + 1) % self.check_every_n_batches == 0:
+            self._check(trainer, pl_module)
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        totals, good, _ = self._reduced(trainer, pl_module)
+        bad = sum(totals.values())
+        metrics = {f"data/skipped/{r}": float(n) for r, n in totals.items()}
+        metrics["data/samples"] = float(good)
+        metrics["data/bad_fraction"] = bad / (bad + good) if bad + good else 0.0
+        pl_module.log_dict(metrics, on_step=False, on_epoch=True, sync_dist=False, rank_zero_only=True)
+        self._check(trainer, pl_module)
+
+    def _reduced(self, trainer, pl_module) -> tuple[dict[str, int], int, dict[str, int]]:
+        totals = self.tracker.totals()
+        names = list(totals)
+        values = torch.tensor([*totals.values(), self.tracker.num_good], dtype=torch.float64)
+        if trainer.world_size > 1:  # same decision on every rank: no rank stops alone
+            values = trainer.strategy.reduce(values.to(pl_module.device), reduce_op="sum").cpu()
+        vals = [int(v) for v in values.tolist()]
+        return dict(zip(names, vals[:-1])), vals[-1], dict(self.tracker.shards)
+
+    def _check(self, trainer, pl_module) -> None:
+        totals, good, shards = self._reduced(trainer, pl_module)
+        check_bad_fraction(totals, good, self.max_bad_fraction, self.min_samples, shards)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"tracker": self.tracker.state_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.tracker.load_state_dict(state_dict.get("tracker", {}))
+
+
+def model_inputs(batch: Mapping[str, Any]) -> dict[str, Any]:
+    """The batch without `META_KEYS`: exactly the keyword arguments of the family's forward."""
+    return {k: v for k, v in batch.items() if k not in META_KEYS}

@@ -1,0 +1,205 @@
+"""WebDataset pipelines: resampled + shuffled training stream, finite split validation pass, skip counting."""
+
+# Stages run inside each DataLoader worker (batches are formed there; the DataLoader uses `batch_size=None`).
+# Every stage shares the worker's `SkipCounter`; each batch carries the skips since the previous batch.
+
+from __future__ import annotations
+
+import math
+import random
+import re
+import tarfile
+from typing import Any, Iterable, Iterator
+
+import webdataset as wds
+from torch.utils.data import DataLoader
+from webdataset.filters import _shuffle
+from webdataset.utils import make_seed, pytorch_worker_info
+
+from .formatting import ChatFormatter, Example
+from .quality import SkipCounter
+from .samples import Skip, decode_sample
+
+_KEY_EXT = re.compile(r"^((?:.*/|)[^./]+)\.([^/]*)$")  # webdataset's rule: key up to the first dot of the basename
+
+
+class EpochState:
+    """Epoch number set in the main process; forked / pickled into workers with the dataset at each epoch."""
+
+    def __init__(self) -> None:
+        self.epoch = 0
+
+
+class WorkerSeed:
+    """`worker_seed` for `wds.ResampledShards`: differs per rank, worker and epoch; fixed by the base seed."""
+
+    def __init__(self, state: EpochState) -> None:
+        self.state = state
+
+    def __call__(self) -> int:
+        rank, _, worker, _ = pytorch_worker_info()
+        return make_seed(rank, worker, self.state.epoch)
+
+
+class SplitResampledShards(wds.ResampledShards):
+    """`wds.ResampledShards` that first splits the shard list by node and worker when there are enough shards.
+
+    Rank r / worker w of R ranks x W workers draws (with replacement, seeded by seed, rank, worker and epoch)
+    only from `urls[r * W + w :: R * W]`, so ranks and workers read disjoint shards; with fewer shards than
+    R x W every producer draws from all shards (still a different random sequence each)."""
+
+    def __iter__(self):
+        self.epoch += 1
+        rank, world, worker, workers = pytorch_worker_info()
+        n, i = world * workers, rank * workers + worker
+        urls = self.urls[i::n] if len(self.urls) >= n else self.urls
+        self.rng = random.Random(make_seed(self.worker_seed(), self.epoch, self.seed))
+        for _ in range(self.nshards):
+            yield dict(url=urls[self.rng.randint(0, len(urls) - 1)])
+
+
+class EpochLoader(DataLoader):
+    """DataLoader that bumps the dataset's `EpochState` on every new pass (new shuffles per epoch, reproducibly)."""
+
+    def __iter__(self):
+        state = getattr(self.dataset, "epoch_state", None)
+        if state is not None:
+            state.epoch += 1
+        return super().__iter__()
+
+
+def read_shards(src: Iterable[dict], counter: SkipCounter) -> Iterator[dict[str, Any]]:
+    """`{"url": ...}` -> samples `{"__key__", "__url__", ext: bytes}`; unreadable / truncated shards are counted.
+
+    A truncated shard yields its complete samples; the sample cut by the damage and the rest of the shard are
+    counted once as `truncated_tar`. A shard that fails before its first member (cannot be opened, not a tar,
+    failing `pipe:` command) counts once as `unreadable_shard`."""
+    for item in src:
+        url = item["url"]
+        try:
+            stream = wds.gopen(url, "rb")
+        except Exception as exn:  # noqa: BLE001
+            counter.skip("unreadable_shard", url, None, f"{type(exn).__name__}: {exn}")
+            continue
+        current: dict[str, Any] | None = None
+        members = 0
+        try:
+            with tarfile.open(fileobj=stream, mode="r|*") as tar:
+                for member in tar:
+                    if not member.isreg():
+                        continue
+                    m = _KEY_EXT.match(member.name)
+                    if m is None or member.name.split("/")[-1].startswith("__"):
+                        continue
+                    key, ext = m.group(1), m.group(2).lower()
+                    if current is not None and current["__key__"] != key:
+                        yield current  # complete: the next sample has started
+                        current = None
+                    if current is None:
+                        current = {"__key__": key, "__url__": url}
+                    current[ext] = tar.extractfile(member).read()
+                    members += 1
+            if current is not None:
+                yield current
+        except Exception as exn:  # noqa: BLE001 - tarfile.ReadError, EOFError, OSError, pipe status ...
+            key = current["__key__"] if current else None
+            reason = "truncated_tar" if members or current else "unreadable_shard"  # nothing read: not a tar
+            counter.skip(reason, url, key, f"{type(exn).__name__}: {exn}")
+        finally:
+            try:
+                stream.close()
+            except Exception:  # noqa: BLE001 - a failing pipe reports here; already counted or harmless
+                pass
+
+
+class Stages:
+    """All per-worker stages of one pipeline, sharing one `SkipCounter` (picklable for worker start-up)."""
+
+    def __init__(self, formatter: ChatFormatter, batch_size: int, seed: int, state: EpochState, *,
+                 image_keys: list[str], text_keys: list[str], prompt: str, max_image_pixels: int,
+                 max_image_side: int, shuffle_buffer: int = 0):
+        self.formatter, self.batch_size, self.seed, self.state = formatter, batch_size, seed, state
+        self.decode_kw = dict(image_keys=image_keys, text_keys=text_keys, prompt=prompt,
+                              max_image_pixels=max_image_pixels, max_image_side=max_image_side)
+        self.shuffle_buffer = shuffle_buffer
+        self.counter = SkipCounter()
+        self.passes = 0  # passes made by THIS copy (persistent workers keep theirs across epochs)
+
+    def read(self, src):
+        return read_shards(src, self.counter)
+
+    def shuffle(self, src):
+        if self.shuffle_buffer <= 1:
+            return src
+        rank, _, worker, _ = pytorch_worker_info()
+        self.passes += 1
+        seed = make_seed(self.seed, rank, worker, self.state.epoch, self.passes)
+        return _shuffle(src, bufsize=self.shuffle_buffer, initial=max(1, self.shuffle_buffer // 2), seed=seed)
+
+    def decode(self, src):
+        for sample in src:
+            try:
+                yield decode_sample(sample, **self.decode_kw)
+            except Skip as s:
+                self.counter.skip(s.reason, sample.get("__url__", "?"), sample.get("__key__"), s.detail)
+
+    def batch(self, src: Iterable[Example]):
+        """Collate `batch_size` examples at a time (one modality per batch if the processor cannot mix).
+
+        One batch of look-ahead: skips found after the last batch of a finite pass are added to that batch."""
+        groups: dict[bool, list[Example]] = {}
+        mix, pending = self.formatter.can_mix, None
+        for ex in src:
+            group = groups.setdefault(True if mix else ex.image is not None, [])
+            group.append(ex)
+            if len(group) >= self.batch_size:
+                out = self._collate(group)
+                group.clear()
+                if out is not None:
+                    if pending is not None:
+                        yield pending
+                    pending = out
+        for group in groups.values():  # partial batches at the end of a finite pass
+            out = self._collate(group) if group else None
+            if out is not None:
+                if pending is not None:
+                    yield pending
+                pending = out
+        if pending is not None:
+            reasons, shards = self.counter.take()
+            for mine, late in ((pending["skipped"], reasons), (pending["skipped_shards"], shards)):
+                for k, n in late.items():
+                    mine[k] = mine.get(k, 0) + n
+            yield pending
+
+    def _collate(self, examples: list[Example]) -> dict[str, Any] | None:
+        batch, rejected = self.formatter.collate(list(examples))
+        for ex, reason, detail in rejected:
+            self.counter.skip(reason, ex.url, ex.key, detail)
+        if batch is None:
+            return None
+        batch["skipped"], batch["skipped_shards"] = self.counter.take()
+        batch["num_samples"] = int(batch["input_ids"].shape[0])
+        return batch
+
+
+def train_pipeline(urls: list[str], stages: Stages, batches_per_worker: int) -> wds.DataPipeline:
+    """Infinite resampled shards (split by node and worker, seeded per rank / worker / epoch) -> shuffle -> decode
+    -> batch; each worker yields `batches_per_worker` batches per epoch (`with_epoch`): equal on every rank."""
+    shards = SplitResampledShards(urls, seed=stages.seed, worker_seed=WorkerSeed(stages.state), deterministic=True)
+    pipe = wds.DataPipeline(shards, stages.read, stages.shuffle, stages.decode, stages.batch)
+    pipe = pipe.with_epoch(batches_per_worker)
+    pipe.epoch_state = stages.state
+    return pipe
+
+
+def val_pipeline(urls: list[str], stages: Stages) -> wds.DataPipeline:
+    """Each shard exactly once: split by node (rank) then by worker; no shuffling; partial last batch kept."""
+    pipe = wds.DataPipeline(wds.SimpleShardList(urls), wds.split_by_node, wds.split_by_worker,
+                            stages.read, stages.decode, stages.batch)
+    pipe.epoch_state = stages.state
+    return pipe
+
+
+def batches_per_worker(samples_per_epoch: int, batch_size: int, num_workers: int) -> int:
+    return max(1, math.ceil(samples_per_epoch / batch_size / max(1, num_workers)))

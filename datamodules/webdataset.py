@@ -1,0 +1,251 @@
+"""`WebDatasetDataModule`: image-text (and text-only) WebDataset shards -> processor-formatted distillation batches."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import tarfile
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+from webdataset.shardlists import expand_urls
+from webdataset.utils import pytorch_worker_info
+
+from .formatting import ChatFormatter, load_processor
+from .quality import DataQualityCallback
+from .shards import MANIFEST
+from .stream import EpochLoader, EpochState, Stages, batches_per_worker, train_pipeline, val_pipeline
+from .synthetic import ensure_synthetic_shards
+
+DEFAULT_DATA_DIR = os.path.join(tempfile.gettempdir(), "vlm_retrofit", "synthetic")
+_REMOTE = ("pipe:", "http://", "https://", "s3://", "gs://", "ais://", "hf://", "htgs://", "gsutil:")
+
+
+class ShardError(ValueError):
+    """Shard patterns that cannot be used (nothing matched, missing files, not tars, too few for the workers)."""
+
+
+def manifest_urls(folder: str | os.PathLike, split: str) -> list[str]:
+    """Shard paths of `split` ("train" / "val") listed in `folder/manifest.json` (empty if the split is absent)."""
+    manifest = json.loads((Path(folder) / MANIFEST).read_text())
+    info = manifest.get("splits", {}).get(split)
+    return [str(Path(folder) / s["name"]) for s in info["shards"]] if info else []
+
+
+def resolve_shards(spec: str | list[str], what: str = "shards") -> list[str]:
+    """Expand brace patterns (`a-{000..009}.tar`), `::`-joined lists, globs and folders of tars into URLs, and
+    check that every LOCAL shard exists and is a tar. Remote URLs (`pipe:`, http, ...) are passed through."""
+    specs = [spec] if isinstance(spec, str) else list(spec)
+    urls: list[str] = []
+    for s in specs:
+        s = os.path.expanduser(str(s))
+        if os.path.isdir(s):
+            found = sorted(glob.glob(os.path.join(s, "*.tar")))
+            if not found:
+                raise ShardError(f"{what}: folder {s!r} contains no .tar shards")
+            urls += found
+            continue
+        for url in expand_urls(s):
+            url = url[len("file:"):] if url.startswith("file:") else url
+            if not url.startswith(_REMOTE) and any(c in url for c in "*?["):
+                matched = sorted(glob.glob(url))
+                if not matched:
+                    raise ShardError(f"{what}: pattern {url!r} matched no files")
+                urls += matched
+            else:
+                urls.append(url)
+    if not urls:
+        raise ShardError(f"{what}: {spec!r} matched no shards")
+    local = [u for u in urls if not u.startswith(_REMOTE)]
+    missing = [u for u in local if not os.path.isfile(u)]
+    if missing and len(missing) == len(urls):
+        raise ShardError(f"{what}: {spec!r} matched no files ({len(missing)} expanded names, none exists; "
+                         f"first: {missing[0]!r})")
+    if missing:
+        raise ShardError(f"{what}: {len(missing)} of {len(urls)} shards do not exist, e.g. {missing[:3]}")
+    for u in local:
+        if not tarfile.is_tarfile(u):
+            raise ShardError(f"{what}: {u!r} is not a tar file (WebDataset shards must be .tar archives)")
+    return urls
+
+
+class WebDatasetDataModule(pl.LightningDataModule):
+    """Streams image-text WebDataset shards and formats them with the backbone's processor for distillation.
+
+    Training: resampled shards (split by rank and worker when there are enough), shuffled, `with_epoch`
+    (`train_samples_per_epoch` per rank), deterministic given `seed`. Validation: one finite pass, shards split
+    by rank (`wds.split_by_node`) then worker; setup() refuses fewer shards than ranks x workers.
+
+    Batch format (a dict; see `formatting` for the exact loss-mask alignment):
+
+    * every model-forward input the family's processor returns (`input_ids`, `attention_mask`, `pixel_values`,
+      `image_grid_thw`, `mm_token_type_ids`, `token_type_ids`, `pixel_attention_mask`, `image_sizes`, ...),
+      RIGHT-padded, at most `max_length` long;
+    * `loss_mask` (bool [B, T]): True at t iff `input_ids[:, t+1]` is a response token (aligned with `logits[:, t]`);
+    * `skipped` ({reason: int}): samples the producing worker skipped since its previous batch;
+      `skipped_shards` ({shard url: int}) the same by shard; `num_samples` (int): rows in this batch.
+      `quality.model_inputs(batch)` drops these four meta entries. `DataQualityCallback` sums them.
+    """
+
+    def __init__(
+        self,
+        processor: str,
+        train_shards: str | list[str] | None = None,
+        val_shards: str | list[str] | None = None,
+        data_dir: str | None = None,
+        image_keys: list[str] | None = None,
+        text_keys: list[str] | None = None,
+        prompt: str = "Describe the image.",
+        max_length: int = 512,
+        batch_size: int = 8,
+        val_batch_size: int | None = None,
+        num_workers: int = 2,
+        seed: int = 0,
+        train_samples_per_epoch: int = 1024,
+        shuffle_buffer: int = 256,
+        max_image_pixels: int = 40_000_000,
+        max_image_side: int = 2048,
+        max_bad_fraction: float = 0.05,
+        min_samples_for_check: int = 200,
+        synthetic_samples: int = 512,
+        text_only_fraction: float = 0.0,
+        persistent_workers: bool = False,
+        pin_memory: bool = False,
+        add_quality_callback: bool = True,
+    ):
+        """
+        Args:
+            processor: `"tiny:<family>"` (offline test processor) or a HF id / local path of the backbone whose
+                processor and chat template format the samples (AutoProcessor; AutoTokenizer for text LMs).
+            train_shards: training shards: a path, brace pattern (`/d/train-{000000..000099}.tar`), glob, folder
+                of tars, a folder with a `manifest.json` from the shard builder, `pipe:` command or http URL, or a
+                list of these. `None`: built-in synthetic shapes data written once into `data_dir`.
+            val_shards: validation shards (same forms). `None`: the `val` split of the manifest folder / synthetic
+                data if any, else no validation.
+            data_dir: cache folder for the synthetic data (default: a folder per setting under
+                `<tmp>/vlm_retrofit/synthetic`); reused when its manifest matches. Its val split has at least
+                ranks x workers shards.
+            image_keys: image extensions to look for, in order (default jpg, jpeg, png, webp).
+            text_keys: text extensions to look for, in order (default txt, json): a caption or a conversation.
+            prompt: user text paired with the image for caption samples.
+            max_length: longest sequence in tokens (image tokens included); longer samples are cut on the right,
+                samples whose prompt alone is longer are skipped (`too_long`).
+            batch_size: training samples per batch (per rank).
+            val_batch_size: validation batch size (default: batch_size).
+            num_workers: DataLoader worker processes (each reads its own shards and forms its own batches).
+            seed: base seed: the training stream (shard choice, shuffle) is a function of seed, rank, worker, epoch.
+            train_samples_per_epoch: samples per epoch and rank (`with_epoch`; the resampled stream is infinite).
+            shuffle_buffer: sample shuffle buffer per worker (0 disables).
+            max_image_pixels: images with more pixels are skipped (`huge_image`) without being decoded.
+            max_image_side: images with a longer side are downscaled (aspect kept) before the processor.
+            max_bad_fraction: stop training if more than this fraction of samples is unusable.
+            min_samples_for_check: do not apply max_bad_fraction before this many samples were seen.
+            synthetic_samples: number of synthetic samples when train_shards is None.
+            text_only_fraction: fraction of text-only conversations mixed into the synthetic data.
+            persistent_workers: keep DataLoader workers alive between epochs.
+            pin_memory: pin batches in page-locked memory (for GPU training).
+            add_quality_callback: add a `DataQualityCallback` to the trainer at setup() if it has none
+                (logs `data/skipped/<reason>` every epoch and enforces max_bad_fraction).
+        """
+        super().__init__()
+        self.save_hyperparameters()
+        self.processor_name = processor
+        self.train_shards, self.val_shards = train_shards, val_shards
+        self.data_dir = data_dir
+        self.image_keys = list(image_keys or ["jpg", "jpeg", "png", "webp"])
+        self.text_keys = list(text_keys or ["txt", "json"])
+        self.prompt, self.max_length = prompt, max_length
+        self.batch_size, self.val_batch_size = batch_size, val_batch_size or batch_size
+        self.num_workers, self.seed = num_workers, seed
+        self.train_samples_per_epoch, self.shuffle_buffer = train_samples_per_epoch, shuffle_buffer
+        self.max_image_pixels, self.max_image_side = max_image_pixels, max_image_side
+        self.max_bad_fraction, self.min_samples_for_check = max_bad_fraction, min_samples_for_check
+        self.synthetic_samples, self.text_only_fraction = synthetic_samples, text_only_fraction
+        self.persistent_workers, self.pin_memory = persistent_workers, pin_memory
+        self.add_quality_callback = add_quality_callback
+        self.train_urls: list[str] = []
+        self.val_urls: list[str] = []
+        self.formatter: ChatFormatter | None = None
+        self.epoch_state = EpochState()
+
+    # ------------------------------------------------------------------ set-up
+    def _synthetic(self) -> str:
+        """Write (or reuse) the built-in synthetic shards; returns their folder."""
+        kw = dict(num_samples=self.synthetic_samples, seed=self.seed, text_only_fraction=self.text_only_fraction,
+                  min_val_shards=max(4, self.world_size() * max(1, self.num_workers)))
+        folder = self.data_dir or os.path.join(DEFAULT_DATA_DIR, "_".join(f"{k}{v}" for k, v in kw.items()))
+        ensure_synthetic_shards(folder, **kw)
+        return folder
+
+    def prepare_data(self) -> None:
+        if self.train_shards is None:  # once per node, before setup() on every rank
+            self._synthetic()
+
+    def world_size(self) -> int:
+        trainer = self.trainer
+        if trainer is not None:
+            return int(trainer.world_size)
+        return pytorch_worker_info()[1]
+
+    def check_shards(self) -> None:
+        """Resolve and check the shard specs (no processor, no model): raises `ShardError` with a clear message."""
+        train, val = self.train_shards, self.val_shards
+        if train is None:
+            train = self._synthetic()
+        manifest_dir = isinstance(train, str) and (Path(train).expanduser() / MANIFEST).is_file()
+        if manifest_dir:
+            self.train_urls = manifest_urls(Path(train).expanduser(), "train")
+            if not self.train_urls:
+                raise ShardError(f"train_shards: {train!r} has no train split in its {MANIFEST}")
+            resolve_shards(self.train_urls, "train_shards")
+        else:
+            self.train_urls = resolve_shards(train, "train_shards")
+        if val is not None:
+            self.val_urls = resolve_shards(val, "val_shards")
+        elif manifest_dir:
+            self.val_urls = manifest_urls(Path(train).expanduser(), "val")
+        needed = self.world_size() * max(1, self.num_workers)
+        if self.val_urls and len(self.val_urls) < needed:
+            raise ShardError(
+                f"val_shards: {len(self.val_urls)} validation shards for {self.world_size()} rank(s) x "
+                f"{max(1, self.num_workers)} worker(s): each needs at least one shard, so provide >= {needed} "
+                f"shards (e.g. rebuild with --min-val-shards {needed}) or lower num_workers.")
+
+    def setup(self, stage: str | None = None) -> None:
+        self.check_shards()  # before the processor (and any model) is loaded
+        if self.formatter is None:
+            processor = load_processor(self.processor_name) if isinstance(self.processor_name, str) \
+                else self.processor_name
+            self.formatter = ChatFormatter(processor, self.max_length)
+        trainer = self.trainer
+        if trainer is not None and self.add_quality_callback and \
+                not any(isinstance(c, DataQualityCallback) for c in trainer.callbacks):
+            trainer.callbacks.append(DataQualityCallback(self.max_bad_fraction, self.min_samples_for_check))
+
+    # ------------------------------------------------------------------ loaders
+    def _stages(self, batch_size: int, shuffle: bool) -> Stages:
+        if self.formatter is None:
+            self.setup()
+        return Stages(self.formatter, batch_size, self.seed, self.epoch_state, image_keys=self.image_keys,
+                      text_keys=self.text_keys, prompt=self.prompt, max_image_pixels=self.max_image_pixels,
+                      max_image_side=self.max_image_side, shuffle_buffer=self.shuffle_buffer if shuffle else 0)
+
+    def _loader(self, dataset) -> EpochLoader:
+        return EpochLoader(dataset, batch_size=None, num_workers=self.num_workers, pin_memory=self.pin_memory,
+                           persistent_workers=self.persistent_workers and self.num_workers > 0)
+
+    def train_dataset(self):
+        per_worker = batches_per_worker(self.train_samples_per_epoch, self.batch_size, self.num_workers)
+        return train_pipeline(self.train_urls, self._stages(self.batch_size, True), per_worker)
+
+    def val_dataset(self):
+        return val_pipeline(self.val_urls, self._stages(self.val_batch_size, False))
+
+    def train_dataloader(self):
+        return self._loader(self.train_dataset())
+
+    def val_dataloader(self):
+        return self._loader(self.val_dataset()) if self.val_urls else []

@@ -1,0 +1,259 @@
+"""WebDatasetDataModule: bad samples skipped and counted, worker / rank splits, determinism, set-up refusals."""
+
+import io
+import json
+import logging
+from collections import Counter
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from PIL import Image
+
+from vlm_retrofit.datamodules import (
+    DataQualityCallback,
+    DataQualityError,
+    ShardError,
+    WebDatasetDataModule,
+    check_bad_fraction,
+    model_inputs,
+    write_synthetic_shards,
+    write_tar,
+)
+
+PROC = "tiny:qwen2_vl"
+
+
+def _img(mode="RGB", size=(32, 24), fmt="PNG") -> bytes:
+    colour = {"RGB": (200, 10, 10), "RGBA": (0, 200, 0, 128), "L": 90, "CMYK": (0, 255, 255, 0), "P": 3}[mode]
+    img = Image.new(mode, size, colour)
+    if mode == "P":
+        img.info["transparency"] = 3
+    buf = io.BytesIO()
+    img.save(buf, format="JPEG" if mode == "CMYK" else fmt, quality=90)
+    return buf.getvalue()
+
+
+def _good(i: int) -> dict:
+    return {"png": _img(), "txt": f"good caption {i}".encode()}
+
+
+@pytest.fixture(scope="module")
+def bad_shards(tmp_path_factory):
+    """4 shards: 16 usable samples (incl. odd modes and a text-only conversation) + one of each bad kind."""
+    d = tmp_path_factory.mktemp("bad")
+    good, i = [], 0
+
+    def g(files=None):
+        nonlocal i
+        key = f"ok{i:03d}"
+        i += 1
+        good.append(key)
+        return key, files or _good(i)
+
+    talk = {"messages": [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "Hi!"}]}
+    write_tar(d / "s0.tar", [g(), ("corrupt", {"jpg": _img(fmt="JPEG")[:200], "txt": b"cut jpeg"}), g(),
+                             g({"png": _img("RGBA"), "txt": b"rgba"}), ("empty", {"png": _img(), "txt": b"  "})])
+    write_tar(d / "s1.tar", [g({"png": _img("P"), "txt": b"palette"}), ("notext", {"png": _img()}), g(),
+                             g({"jpg": _img("CMYK"), "txt": b"cmyk"}), ("noimage", {"txt": b"lost image"})])
+    write_tar(d / "s2.tar", [g({"png": _img("L"), "txt": b"grey"}), g({"json": json.dumps(talk).encode()}),
+                             ("huge", {"png": _img(size=(300, 200)), "txt": b"too big"}),
+                             ("badjson", {"json": b"{not json"}), g()])
+    tail = [g() for _ in range(4)]
+    write_tar(d / "s3.tar", tail + [("lost1", _good(98)), ("lost2", _good(99))])
+    data = (d / "s3.tar").read_bytes()
+    cut = data.index(b"lost1.png") + 512 + 20  # inside lost1's image data
+    (d / "s3.tar").write_bytes(data[:cut])
+    expected = Counter(corrupt_image=1, empty_text=1, missing_text=1, missing_image=1, huge_image=1, bad_json=1,
+                       truncated_tar=1)
+    return [str(d / f"s{k}.tar") for k in range(4)], good, expected
+
+
+def _dm(val, **kw):
+    kw = {"batch_size": 3, "num_workers": 0, "max_image_pixels": 20_000, **kw}
+    return WebDatasetDataModule(PROC, train_shards=val, val_shards=val, **kw)
+
+
+def _val_keys(dm):
+    """Keys in the order the validation pipeline produced them (decode stage tapped, batching untouched)."""
+    ds = dm.val_dataset()
+    stages = ds.pipeline[-1].__self__
+    seen = []
+    orig = stages.decode
+
+    def tap(src):
+        for ex in orig(src):
+            seen.append(ex.key)
+            yield ex
+
+    ds.pipeline[-2] = tap
+    batches = list(ds)
+    return seen, batches
+
+
+@pytest.mark.parametrize("batch_size", [3, 4])  # 4: the truncation is found after the last full batch
+def test_bad_samples_skipped_and_counted(bad_shards, caplog, batch_size):
+    urls, good, expected = bad_shards
+    dm = _dm(urls, batch_size=batch_size)
+    dm.setup("fit")
+    with caplog.at_level(logging.WARNING, logger="vlm_retrofit.datamodules"):
+        keys, batches = _val_keys(dm)
+    assert sorted(keys) == sorted(good)  # every usable sample (odd modes converted, text-only kept) arrives once
+    assert sum((Counter(b["skipped"]) for b in batches), Counter()) == expected
+    shards = sum((Counter(b["skipped_shards"]) for b in batches), Counter())
+    assert shards == {urls[0]: 2, urls[1]: 2, urls[2]: 2, urls[3]: 1}
+    assert [b["num_samples"] for b in batches][:-1] == [batch_size] * (len(batches) - 1)
+    lines = [r.getMessage() for r in caplog.records if "skipped sample" in r.getMessage()]
+    assert len(lines) == 7
+    assert any("'corrupt'" in m and urls[0] in m and "corrupt_image" in m for m in lines)
+    assert any(urls[3] in m and "truncated_tar" in m for m in lines)
+    assert sum(b["num_samples"] for b in batches) == len(good)
+
+
+def test_two_workers_cover_val_set(bad_shards):
+    urls, good, expected = bad_shards
+    dm = _dm(urls, num_workers=2)
+    dm.setup("validate")
+    total, skipped = 0, Counter()
+    for batch in dm.val_dataloader():
+        total += batch["num_samples"]
+        skipped.update(batch["skipped"])
+    assert total == len(good) and skipped == expected
+
+
+def test_two_rank_split_is_disjoint_and_complete(tmp_path, monkeypatch):
+    m = write_synthetic_shards(tmp_path, num_samples=48, maxcount=6, val_fraction=0.5, min_val_shards=4)
+    val = [str(tmp_path / s["name"]) for s in m["splits"]["val"]["shards"]]
+    per_rank = []
+    for rank in (0, 1):
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        dm = _dm(val, batch_size=4)
+        dm.setup("validate")
+        keys, _ = _val_keys(dm)
+        per_rank.append(keys)
+    assert not set(per_rank[0]) & set(per_rank[1])
+    assert len(per_rank[0]) + len(per_rank[1]) == 24 == len(set(per_rank[0]) | set(per_rank[1]))
+    monkeypatch.setenv("RANK", "0")  # 2 ranks x 4 workers need 8 shards: refused with a clear message
+    with pytest.raises(ShardError, match="provide >= 8 shards"):
+        _dm(val, num_workers=4).setup("fit")
+
+
+def test_training_shards_split_by_rank(monkeypatch):
+    from vlm_retrofit.datamodules.stream import EpochState, SplitResampledShards, WorkerSeed
+
+    urls = [f"s{i}.tar" for i in range(6)]
+    drawn = []
+    for rank in (0, 1):
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        src = SplitResampledShards(urls, seed=5, worker_seed=WorkerSeed(EpochState()), deterministic=True)
+        drawn.append({d["url"] for d, _ in zip(src, range(60))})
+    assert not drawn[0] & drawn[1] and drawn[0] | drawn[1] == set(urls)
+    monkeypatch.setenv("WORLD_SIZE", "8")  # fewer shards than ranks: everyone draws from all shards
+    src = SplitResampledShards(urls, seed=5, worker_seed=WorkerSeed(EpochState()), deterministic=True)
+    assert {d["url"] for d, _ in zip(src, range(100))} == set(urls)
+
+
+def test_pipe_urls_and_unreadable_shards(tmp_path):
+    m = write_synthetic_shards(tmp_path, num_samples=24, maxcount=6, val_fraction=0.5, min_val_shards=2)
+    val = [f"pipe:cat {tmp_path / s['name']}" for s in m["splits"]["val"]["shards"]] + ["pipe:false"]
+    dm = _dm(val, batch_size=4)
+    dm.setup("fit")
+    batches = list(dm.val_dataloader())
+    assert sum(b["num_samples"] for b in batches) == 12
+    assert sum((Counter(b["skipped"]) for b in batches), Counter()) == {"unreadable_shard": 1}
+
+
+def test_setup_refuses_bad_patterns_before_loading_anything(tmp_path):
+    not_a_model = "/nonexistent/processor"  # would fail if setup() got as far as loading it
+    with pytest.raises(ShardError, match="matched no files"):
+        WebDatasetDataModule(not_a_model, train_shards=str(tmp_path / "x-{000..009}.tar")).setup("fit")
+    with pytest.raises(ShardError, match="matched no files"):
+        WebDatasetDataModule(not_a_model, train_shards=str(tmp_path / "*.tar")).setup("fit")
+    (tmp_path / "fake.tar").write_text("hello, I am not a tar")
+    with pytest.raises(ShardError, match="not a tar file"):
+        WebDatasetDataModule(not_a_model, train_shards=str(tmp_path / "fake.tar")).setup("fit")
+
+
+def _stream(dm, epochs=2):
+    loader = dm.train_dataloader()
+    return [[b["input_ids"].tolist() for b in loader] for _ in range(epochs)]
+
+
+def test_training_stream_deterministic_per_seed(tmp_path):
+    write_synthetic_shards(tmp_path, num_samples=60, maxcount=10, val_fraction=0.0)
+    kw = dict(train_shards=str(tmp_path), batch_size=4, train_samples_per_epoch=24, shuffle_buffer=8)
+    runs = []
+    for seed, workers in ((0, 0), (0, 0), (1, 0), (0, 2), (0, 2)):
+        dm = WebDatasetDataModule(PROC, seed=seed, num_workers=workers, **kw)
+        dm.setup("fit")
+        runs.append(_stream(dm))
+    assert runs[0] == runs[1] and runs[3] == runs[4]  # same seed (and workers): same batches, epoch by epoch
+    assert runs[0] != runs[2]  # another seed: another stream
+    assert runs[0][0] != runs[0][1]  # a new epoch reshuffles
+    assert [len(e) for e in runs[0]] == [6, 6] and [len(e) for e in runs[3]] == [6, 6]  # with_epoch per rank
+
+
+def test_default_synthetic_data_and_mixed_batches(tmp_path):
+    dm = WebDatasetDataModule(PROC, data_dir=str(tmp_path / "cache"), synthetic_samples=64, num_workers=0,
+                              batch_size=8, text_only_fraction=0.5, train_samples_per_epoch=16)
+    dm.setup("fit")
+    manifest = json.loads((tmp_path / "cache" / "manifest.json").read_text())
+    assert manifest["synthetic"]["num_samples"] == 64 and dm.val_urls
+    batches = list(dm.train_dataloader())
+    assert len(batches) == 2
+    mixed = [b for b in batches if "pixel_values" in b and (b["mm_token_type_ids"].sum(1) == 0).any()]
+    assert mixed, "expected image and text-only samples in one batch"
+    from vlm_retrofit.testing import tiny_vlm
+
+    model, _ = tiny_vlm("qwen2_vl")
+    batch = dict(mixed[0])
+    with torch.no_grad():
+        assert model(**model_inputs(batch)).logits.shape[:2] == batch["input_ids"].shape
+    stamp = (tmp_path / "cache" / "manifest.json").stat().st_mtime_ns
+    WebDatasetDataModule(PROC, data_dir=str(tmp_path / "cache"), synthetic_samples=64, num_workers=0,
+                         text_only_fraction=0.5).setup("fit")
+    assert (tmp_path / "cache" / "manifest.json").stat().st_mtime_ns == stamp  # cache reused
+
+
+def test_bad_fraction_check_names_worst_shards():
+    assert check_bad_fraction({"corrupt_image": 3}, 97, max_bad_fraction=0.05, min_samples=50) == 0.03
+    assert check_bad_fraction({"corrupt_image": 30}, 10, max_bad_fraction=0.05, min_samples=50) == 0.75  # too few
+    with pytest.raises(DataQualityError, match=r"a\.tar \(7 skipped\); b\.tar \(3 skipped\)"):
+        check_bad_fraction({"corrupt_image": 6, "empty_text": 4}, 90, 0.05, 50, {"b.tar": 3, "a.tar": 7})
+
+
+class _Consumer(pl.LightningModule):
+    """Consumes data batches without a VLM: enough to drive the callback through a real Trainer."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(()))
+
+    def training_step(self, batch, batch_idx):
+        assert "skipped_shards" not in batch and "input_ids" in model_inputs(batch)
+        return (self.w - batch["loss_mask"].float().mean()) ** 2
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _fit(dm, epochs=1):
+    trainer = pl.Trainer(max_epochs=epochs, accelerator="cpu", logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                         limit_val_batches=0)
+    trainer.fit(_Consumer(), datamodule=dm)
+    return trainer
+
+
+def test_counts_logged_every_epoch_and_bad_data_stops_training(bad_shards):
+    urls, good, expected = bad_shards
+    dm = _dm(urls, train_samples_per_epoch=6, max_bad_fraction=0.9, min_samples_for_check=1)
+    trainer = _fit(dm, epochs=2)
+    logged = trainer.callback_metrics
+    assert {f"data/skipped/{r}" for r in expected} <= set(logged) and "data/bad_fraction" in logged
+    assert sum(float(logged[f"data/skipped/{r}"]) for r in expected) > 0
+    dm = _dm(urls, train_samples_per_epoch=60, max_bad_fraction=0.01, min_samples_for_check=10)
+    with pytest.raises(DataQualityError, match="Worst shards: .*s[0-3]\\.tar"):
+        _fit(dm)
