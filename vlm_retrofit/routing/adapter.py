@@ -43,6 +43,8 @@ class _StreamState:
     present: list[Tensor | None] = field(default_factory=list)
     routed_input: Tensor | None = None
     alphas: dict[str, Tensor] = field(default_factory=dict)
+    token_is_image: Tensor | None = None
+    """Bool [B, T] of visual-placeholder positions, when a skip context knows the input ids."""
 
     def push(self, source: Tensor, eps: float, present: Tensor | None = None) -> None:
         self.sources.append(source)
@@ -233,6 +235,7 @@ class RouterAdapter(nn.Module):
             "router_config": self.config.to_dict(),
             "base_fingerprint": self.fingerprint,
             "layout": self.layout.to_dict(),
+            "calibration": self.calibration,
         }
 
     def save_pretrained(self, directory: str | os.PathLike) -> Path:
@@ -262,6 +265,7 @@ class RouterAdapter(nn.Module):
                 f"unexpected {unexpected}, wrong shape {wrong_shape}"
             )
         adapter.load_state_dict(state)
+        adapter.calibration = saved.get("calibration", {})
         return _finish_attach(model, adapter, freeze_base)
 
 

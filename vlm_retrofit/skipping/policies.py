@@ -41,30 +41,48 @@ def recent_source_weight(state: Any, key: str) -> Tensor:
     return alpha.gather(0, index.amax(0, keepdim=True)).squeeze(0)
 
 
+def _per_block(values: float | Mapping[Any, float] | None) -> float | dict[int, float] | None:
+    # JSON (adapter_config.json) stores block keys as strings.
+    if values is None or not isinstance(values, Mapping):
+        return None if values is None else float(values)
+    return {int(k): float(v) for k, v in values.items()}
+
+
+def _lookup(values: float | dict[int, float] | None, block: int) -> float | None:
+    return values.get(block) if isinstance(values, dict) else values
+
+
 class RecentWeightPolicy(SkipPolicy):
-    """Skip when the router puts more than a per-block threshold on the most recent present source (ReSkip)."""
+    """Skip when the router puts more than a per-block threshold on the most recent present source (ReSkip).
+
+    `image_thresholds`, when given, apply at visual-placeholder positions (image and text tokens route
+    differently, so calibration sets them apart); `thresholds` apply everywhere else.
+    """
 
     name = "recent_weight"
 
-    def __init__(self, thresholds: float | Mapping[int, float]) -> None:
-        self.thresholds = thresholds
-
-    def threshold(self, block: int) -> float | None:
-        if isinstance(self.thresholds, Mapping):
-            return self.thresholds.get(block)
-        return float(self.thresholds)
+    def __init__(self, thresholds: float | Mapping[int, float],
+                 image_thresholds: float | Mapping[int, float] | None = None) -> None:
+        self.thresholds = _per_block(thresholds)
+        self.image_thresholds = _per_block(image_thresholds)
 
     def validate(self, layout: BlockLayout, adapter: Any) -> None:
-        if isinstance(self.thresholds, Mapping):
-            _check_blocks("recent_weight thresholds", self.thresholds, layout)
+        for values in (self.thresholds, self.image_thresholds):
+            if isinstance(values, dict):
+                _check_blocks("recent_weight thresholds", values, layout)
         if 0 in layout.skippable_blocks:
             raise ValueError("recent_weight cannot decide block 0: its router has a single source. Mark block 0 never-skip")
 
     def skip_mask(self, block: int, state: Any, adapter: Any) -> Tensor | None:
-        threshold = self.threshold(block)
-        if threshold is None:
+        threshold = _lookup(self.thresholds, block)
+        image_threshold = _lookup(self.image_thresholds, block)
+        if threshold is None and image_threshold is None:
             return None
-        return recent_source_weight(state, str(block)) > threshold
+        weight = recent_source_weight(state, str(block))
+        skip = weight > (threshold if threshold is not None else float("inf"))
+        if image_threshold is not None and state.token_is_image is not None:
+            skip = torch.where(state.token_is_image, weight > image_threshold, skip)
+        return skip
 
 
 class GatePolicy(SkipPolicy):
@@ -73,17 +91,17 @@ class GatePolicy(SkipPolicy):
     name = "gate"
 
     def __init__(self, threshold: float | Mapping[int, float] = 0.5) -> None:
-        self.threshold = threshold
+        self.threshold = _per_block(threshold)
 
     def validate(self, layout: BlockLayout, adapter: Any) -> None:
         if not adapter.config.skip_gate:
             raise ValueError("the gate policy needs an adapter trained with RouterConfig(skip_gate=True); "
                              "use recent_weight, static or random instead")
-        if isinstance(self.threshold, Mapping):
+        if isinstance(self.threshold, dict):
             _check_blocks("gate thresholds", self.threshold, layout)
 
     def skip_mask(self, block: int, state: Any, adapter: Any) -> Tensor | None:
-        threshold = self.threshold.get(block) if isinstance(self.threshold, Mapping) else self.threshold
+        threshold = _lookup(self.threshold, block)
         if threshold is None:
             return None
         return adapter.gates[str(block)](state.routed_input, adapter.config.key_norm_eps) < threshold

@@ -8,6 +8,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor, nn
 
+from ..backbones import unwrap_model
 from ..routing.adapter import RouterAdapter
 from .accounting import LayerCost, SkipReport
 from .policies import SkipPolicy
@@ -78,6 +79,8 @@ class SkipController:
         self._unpatched_layers = self.layout.num_layers - sum(len(self.layout.layers_of_block(b)) for b in self.skippable)
         self._restore: list[tuple[nn.Module, Any]] = []
         self._started = 0.0
+        self._image_ids = torch.tensor(sorted(adapter.spec.image_token_ids(unwrap_model(adapter.model).config)))
+        self._token_is_image: Tensor | None = None
 
     # -- context ---------------------------------------------------------------------------------------
     def __enter__(self) -> SkipReport:
@@ -87,6 +90,8 @@ class SkipController:
         adapter._set_controller(self)
         layers = adapter.spec.get_layers(adapter.model)
         try:
+            top = unwrap_model(adapter.model)
+            self._restore.append((top.register_forward_pre_hook(self._capture_input_ids, with_kwargs=True), None))
             for block in self.layout.skippable_blocks:
                 for index in self.layout.layers_of_block(block):
                     self._patch(block, layers[index])
@@ -114,9 +119,18 @@ class SkipController:
         self._restore.append((layer, layer.__dict__["forward"] if had_instance_forward else None))
         layer.forward = forward
 
+    def _capture_input_ids(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        # Which positions are visual placeholders: per-modality thresholds need it at every layer.
+        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        self._token_is_image = None
+        if isinstance(input_ids, Tensor) and self._image_ids.numel():
+            self._token_is_image = torch.isin(input_ids, self._image_ids.to(input_ids.device))
+
     def _unpatch(self) -> None:
         for layer, previous in reversed(self._restore):
-            if previous is None:
+            if isinstance(layer, torch.utils.hooks.RemovableHandle):
+                layer.remove()
+            elif previous is None:
                 layer.__dict__.pop("forward", None)
             else:
                 layer.forward = previous
@@ -124,6 +138,9 @@ class SkipController:
 
     # -- adapter callbacks -----------------------------------------------------------------------------
     def begin_forward(self, state: Any) -> None:
+        hidden = state.sources[0]
+        if self._token_is_image is not None and self._token_is_image.shape == hidden.shape[:-1]:
+            state.token_is_image = self._token_is_image
         self._skip.clear()
         self._used = None
         self._forward_counted = False
