@@ -4,8 +4,8 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from vlm_retrofit import RouterConfig, attach_routers
-from vlm_retrofit.skipping import LayerCost, PatternPolicy, SkipSimulation, StaticPolicy
+from vlm_retrofit import RouterAdapter, RouterConfig, attach_routers
+from vlm_retrofit.skipping import LayerCost, PatternPolicy, SkipSimulation, StaticPolicy, calibrate
 from vlm_retrofit.testing import tiny_inputs, tiny_vlm
 
 
@@ -130,3 +130,38 @@ def test_simulation_is_the_inference_skip_function_and_trains_the_gates():
         assert gate.query.grad is not None and gate.query.grad.abs().sum() > 0, block
     assert set(simulation.realised_keep) == set(adapter.layout.skippable_blocks)
     assert all(0 <= keep <= 1 for keep in simulation.realised_keep.values())
+
+
+@pytest.mark.parametrize("policy", ["recent_weight", "gate", "static", "random"])
+def test_calibration_reaches_its_target_on_the_calibration_data(policy, tmp_path):
+    model, processor, adapter = _model("qwen2_vl", layers=8, skip_gate=True)
+    generator = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for router in adapter.routers.values():
+            router.query.copy_(0.5 * torch.randn(router.query.shape, generator=generator))
+        for gate in adapter.gates.values():
+            gate.query.copy_(torch.randn(gate.query.shape, generator=generator))
+    batches = [tiny_inputs(processor, batch=2), tiny_inputs(processor, batch=2, with_image=False)]
+    result = calibrate(adapter, batches, target_saving=0.25, policy=policy)
+    # Static removal moves in whole blocks (1 of 8 layers); the others are tuned to within the tolerance.
+    tolerance = 0.125 if policy == "static" else 0.03
+    assert abs(result.achieved_saving - 0.25) <= tolerance, result.summary()
+    if policy == "recent_weight":
+        assert "image_thresholds" in result.settings  # image and text positions calibrated apart
+    # Stored with the adapter, and used by name.
+    adapter.save_pretrained(tmp_path)
+    adapter.detach()
+    fresh, _ = tiny_vlm("qwen2_vl", num_hidden_layers=8)
+    restored = RouterAdapter.from_pretrained(fresh, tmp_path)
+    with torch.no_grad(), restored.skipping(policy, target_saving=0.25) as report:
+        for batch in batches:
+            fresh(**batch)
+    layers = restored.layout.num_layers
+    achieved = sum(rate * len(restored.layout.layers_of_block(b)) for b, rate in enumerate(report.skip_rates)) / layers
+    assert achieved == pytest.approx(result.achieved_saving, abs=1e-6)
+
+
+def test_calibration_refuses_unreachable_targets():
+    model, processor, adapter = _model(layers=4)  # 2 of 4 layers skippable
+    with pytest.raises(ValueError, match=r"target_saving must be in \(0, 0.500\]"):
+        calibrate(adapter, [tiny_inputs(processor)], target_saving=0.6)

@@ -1,6 +1,7 @@
 """ReSkip: skip decoder blocks per token from the routing signal, with a kv-only cache path and honest accounting."""
 
 from .accounting import LayerCost, SkipReport
+from .calibrate import CalibrationResult, block_influence, calibrate
 from .policies import (
     POLICIES,
     GatePolicy,
@@ -15,6 +16,9 @@ from .runtime import SkipController, kv_only
 from .simulation import SkipSimulation
 
 __all__ = [
+    "CalibrationResult",
+    "block_influence",
+    "calibrate",
     "POLICIES",
     "GatePolicy",
     "LayerCost",

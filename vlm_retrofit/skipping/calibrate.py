@@ -1,0 +1,198 @@
+"""Calibration: per-block skip thresholds that reach a target compute saving on data of the target modality."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping
+
+import torch
+from torch import Tensor
+
+from ..routing.adapter import RouterAdapter
+from .policies import POLICIES, SkipPolicy, recent_source_weight
+from .runtime import SkipController
+
+
+@dataclass
+class CalibrationResult:
+    """Settings found for one policy and target, and the saving they reach on the calibration data."""
+
+    policy: str
+    target_saving: float
+    settings: dict[str, Any]
+    achieved_saving: float
+    skip_rates: list[float] = field(default_factory=list)
+
+    def summary(self) -> str:
+        return (f"{self.policy}: target {100 * self.target_saving:.1f} % of layer executions skipped, "
+                f"reached {100 * self.achieved_saving:.1f} % on the calibration data")
+
+
+def _model_inputs(batch: Mapping[str, Any]) -> dict[str, Any]:
+    # Datamodule batches carry bookkeeping next to the model's inputs.
+    return {k: v for k, v in batch.items() if k not in ("loss_mask", "skipped", "skipped_shards", "num_samples", "labels")}
+
+
+def _score_fn(policy: str) -> Callable[[int, Any, RouterAdapter], Tensor]:
+    if policy == "recent_weight":
+        return lambda block, state, adapter: recent_source_weight(state, str(block))
+    if policy == "gate":
+        return lambda block, state, adapter: adapter.gates[str(block)](state.routed_input, adapter.config.key_norm_eps)
+    raise ValueError(policy)
+
+
+class _ScoreRecorder(SkipPolicy):
+    """Records each skippable block's skip score per token (split by modality) and skips nothing."""
+
+    def __init__(self, score: Callable[[int, Any, RouterAdapter], Tensor]) -> None:
+        self.score = score
+        self.values: dict[str, dict[int, list[Tensor]]] = {"text": defaultdict(list), "image": defaultdict(list)}
+
+    def skip_mask(self, block: int, state: Any, adapter: Any) -> None:
+        score = self.score(block, state, adapter).detach().float()
+        image = state.token_is_image
+        if image is None:
+            self.values["text"][block].append(score.flatten().cpu())
+        else:
+            self.values["text"][block].append(score[~image].cpu())
+            self.values["image"][block].append(score[image].cpu())
+        return None
+
+
+def _skipped_layer_fraction(controller: SkipController) -> float:
+    layout, rates = controller.layout, controller.report.skip_rates
+    return sum(rate * len(layout.layers_of_block(b)) for b, rate in enumerate(rates)) / layout.num_layers
+
+
+@torch.no_grad()
+def _run(adapter: RouterAdapter, batches: list[dict[str, Any]], policy: SkipPolicy | None) -> SkipController:
+    controller = SkipController(adapter, policy)
+    with controller:
+        for batch in batches:
+            adapter.model(**batch)
+    return controller
+
+
+@torch.no_grad()
+def block_influence(adapter: RouterAdapter, batches: Iterable[Mapping[str, Any]]) -> dict[int, float]:
+    """ShortGPT's Block Influence of each block of the *base* model: mean over tokens of 1 - cos(in, out)."""
+    model, layout = adapter.model, adapter.layout
+    layers = adapter.spec.get_layers(model)
+    inputs: dict[int, Tensor] = {}
+    totals: dict[int, list[float]] = defaultdict(list)
+    handles = []
+    for block in range(layout.num_blocks):
+        span = layout.layers_of_block(block)
+
+        def pre(module, args, kwargs, block=block):
+            inputs[block] = (args[0] if args else kwargs["hidden_states"]).float()
+
+        def post(module, args, kwargs, output, block=block):
+            out = (output[0] if isinstance(output, tuple) else output).float()
+            cos = torch.nn.functional.cosine_similarity(inputs.pop(block), out, dim=-1)
+            totals[block].append((1 - cos).mean().item())
+
+        handles.append(layers[span[0]].register_forward_pre_hook(pre, with_kwargs=True))
+        handles.append(layers[span[-1]].register_forward_hook(post, with_kwargs=True))
+    try:
+        with adapter.disabled():
+            for batch in batches:
+                model(**_model_inputs(batch))
+    finally:
+        for handle in handles:
+            handle.remove()
+    return {block: sum(v) / len(v) for block, v in totals.items()}
+
+
+def calibrate(adapter: RouterAdapter, batches: Iterable[Mapping[str, Any]], target_saving: float,
+              policy: str = "recent_weight", *, per_modality: bool = True, tolerance: float = 0.01,
+              max_iterations: int = 16, store: bool = True) -> CalibrationResult:
+    """Find settings of `policy` that skip `target_saving` of all decoder-layer executions on `batches`.
+
+    The saving is the token-level fraction of layer executions skipped (what a batch-1 decode saves, before
+    the kv-only cost). `recent_weight` and `gate` get one threshold per skippable block, set at the same
+    quantile of each block's score distribution (and, with `per_modality`, separately for image and text
+    positions); the quantile is found by bisection on runs *with* skipping, since skipping shifts the
+    routing of later blocks. `static` removes the blocks of least Block Influence; `random` sets a rate.
+    With `store`, the result is kept in `adapter.calibration` (saved with the adapter) and
+    `adapter.skipping(policy, target_saving=...)` uses it.
+    """
+    if policy not in POLICIES:
+        raise ValueError(f"unknown skip policy {policy!r}; valid policies: {', '.join(POLICIES)}")
+    layout = adapter.layout
+    skippable_layers = sum(len(layout.layers_of_block(b)) for b in layout.skippable_blocks)
+    reachable = skippable_layers / layout.num_layers
+    if not 0 < target_saving <= reachable:
+        raise ValueError(f"target_saving must be in (0, {reachable:.3f}]: only {skippable_layers} of "
+                         f"{layout.num_layers} layers are in skippable blocks {list(layout.skippable_blocks)}")
+    batches = [_model_inputs(b) for b in batches]
+    if not batches:
+        raise ValueError("calibration needs at least one batch")
+
+    if policy == "static":
+        influence = block_influence(adapter, batches)
+        chosen, removed = [], 0
+        for block in sorted(layout.skippable_blocks, key=influence.__getitem__):
+            if removed / layout.num_layers >= target_saving - 1e-9:
+                break
+            chosen.append(block)
+            removed += len(layout.layers_of_block(block))
+        settings: dict[str, Any] = {"blocks": sorted(chosen)}
+    elif policy == "random":
+        settings = _bisect(adapter, batches, policy, lambda rate: {"rate": rate}, target_saving / reachable,
+                           target_saving, tolerance, max_iterations)
+    else:
+        recorder = _ScoreRecorder(_score_fn(policy))
+        if policy == "gate":
+            POLICIES["gate"]().validate(layout, adapter)
+        _run(adapter, batches, recorder)
+        scores = {modality: {b: torch.cat(v) for b, v in values.items() if sum(x.numel() for x in v)}
+                  for modality, values in recorder.values.items()}
+        settings = _bisect(adapter, batches, policy, lambda rate: _settings_at(policy, scores, rate, per_modality),
+                           target_saving / reachable, target_saving, tolerance, max_iterations)
+
+    controller = _run(adapter, batches, POLICIES[policy](**settings))
+    result = CalibrationResult(policy, float(target_saving), settings, _skipped_layer_fraction(controller),
+                               controller.report.skip_rates)
+    if store:
+        adapter.calibration.setdefault(policy, {})[f"{float(target_saving):.4f}"] = settings
+    return result
+
+
+def _settings_at(policy: str, scores: dict[str, dict[int, Tensor]], rate: float, per_modality: bool) -> dict[str, Any]:
+    """Per-block thresholds that would skip a fraction `rate` of each block's tokens (no-skip scores)."""
+    # recent_weight skips high scores; gate skips low run probabilities.
+    level = 1.0 - rate if policy == "recent_weight" else rate
+    pooled = scores["text"]
+    if not per_modality and scores["image"]:
+        pooled = {b: torch.cat([scores["text"].get(b, torch.empty(0)), scores["image"].get(b, torch.empty(0))])
+                  for b in set(scores["text"]) | set(scores["image"])}
+
+    def thresholds(values: dict[int, Tensor]) -> dict[int, float]:
+        edge = float("inf") if policy == "recent_weight" else float("-inf")
+        return {b: (float(torch.quantile(v, level)) if 0 < rate < 1 else (edge if rate <= 0 else -edge))
+                for b, v in values.items()}
+
+    if policy == "gate":
+        return {"threshold": thresholds(pooled)}
+    settings: dict[str, Any] = {"thresholds": thresholds(pooled)}
+    if per_modality and scores["image"]:
+        settings["image_thresholds"] = thresholds(scores["image"])
+    return settings
+
+
+def _bisect(adapter, batches, policy, settings_at, start_rate, target, tolerance, max_iterations):
+    """Bisect the per-block skip rate until runs *with* skipping reach `target` (or the closest seen)."""
+    low, high, rate = 0.0, 1.0, min(max(start_rate, 0.0), 1.0)
+    best = (float("inf"), settings_at(rate))
+    for _ in range(max_iterations):
+        settings = settings_at(rate)
+        achieved = _skipped_layer_fraction(_run(adapter, batches, POLICIES[policy](**settings)))
+        if abs(achieved - target) < best[0]:
+            best = (abs(achieved - target), settings)
+        if abs(achieved - target) <= tolerance:
+            break
+        low, high = (rate, high) if achieved < target else (low, rate)
+        rate = (low + high) / 2
+    return best[1]
