@@ -78,6 +78,8 @@ class SkipReport:
 
     num_blocks: int
     policy: str = ""
+    block_layers: list[int] = field(default_factory=list)
+    """Decoder layers in each block (weights the token-level skip fraction)."""
     prefill: PhaseCount = field(default_factory=PhaseCount)
     decode: PhaseCount = field(default_factory=PhaseCount)
     block_tokens: list[int] = field(default_factory=list)
@@ -87,6 +89,7 @@ class SkipReport:
     generated_tokens: int = 0
 
     def __post_init__(self) -> None:
+        self.block_layers = self.block_layers or [1] * self.num_blocks
         self.block_tokens = self.block_tokens or [0] * self.num_blocks
         self.block_skipped_tokens = self.block_skipped_tokens or [0] * self.num_blocks
 
@@ -103,6 +106,24 @@ class SkipReport:
         phase = self.phase(is_prefill)
         phase.executed_flops += executed
         phase.full_flops += full
+
+    @classmethod
+    def merged(cls, reports: "list[SkipReport]") -> "SkipReport":
+        """One report summing several (e.g. one per generate call)."""
+        total = cls(num_blocks=reports[0].num_blocks, policy=reports[0].policy, block_layers=list(reports[0].block_layers))
+        for report in reports:
+            for mine, theirs in ((total.prefill, report.prefill), (total.decode, report.decode)):
+                mine.executed_flops += theirs.executed_flops
+                mine.full_flops += theirs.full_flops
+                mine.tokens += theirs.tokens
+                mine.forwards += theirs.forwards
+            total.block_tokens = [a + b for a, b in zip(total.block_tokens, report.block_tokens)]
+            total.block_skipped_tokens = [a + b for a, b in zip(total.block_skipped_tokens, report.block_skipped_tokens)]
+            for kind, count in report.layer_calls.items():
+                total.layer_calls[kind] += count
+            total.wall_seconds += report.wall_seconds
+            total.generated_tokens += report.generated_tokens
+        return total
 
     # -- results ----------------------------------------------------------------------------------------
     @property
@@ -124,6 +145,13 @@ class SkipReport:
         return [s / t if t else 0.0 for s, t in zip(self.block_skipped_tokens, self.block_tokens)]
 
     @property
+    def skipped_layer_fraction(self) -> float:
+        """Token-level fraction of decoder-layer executions skipped: what batch-1 decoding would save
+        before kv-only costs. `compute_saved` is lower in batches, where only steps that all rows skip save."""
+        layers = sum(self.block_layers)
+        return sum(rate * n for rate, n in zip(self.skip_rates, self.block_layers)) / layers if layers else 0.0
+
+    @property
     def tokens_per_second(self) -> float:
         return self.generated_tokens / self.wall_seconds if self.wall_seconds > 0 else 0.0
 
@@ -136,6 +164,7 @@ class SkipReport:
             "executed_flops": self.executed_flops,
             "full_flops": self.full_flops,
             "skip_rates": self.skip_rates,
+            "skipped_layer_fraction": self.skipped_layer_fraction,
             "layer_calls": dict(self.layer_calls),
             "prefill_tokens": self.prefill.tokens,
             "decode_tokens": self.decode.tokens,

@@ -60,11 +60,6 @@ class _ScoreRecorder(SkipPolicy):
         return None
 
 
-def _skipped_layer_fraction(controller: SkipController) -> float:
-    layout, rates = controller.layout, controller.report.skip_rates
-    return sum(rate * len(layout.layers_of_block(b)) for b, rate in enumerate(rates)) / layout.num_layers
-
-
 @torch.no_grad()
 def _run(adapter: RouterAdapter, batches: list[dict[str, Any]], policy: SkipPolicy | None) -> SkipController:
     controller = SkipController(adapter, policy)
@@ -153,7 +148,7 @@ def calibrate(adapter: RouterAdapter, batches: Iterable[Mapping[str, Any]], targ
                            target_saving / reachable, target_saving, tolerance, max_iterations)
 
     controller = _run(adapter, batches, POLICIES[policy](**settings))
-    result = CalibrationResult(policy, float(target_saving), settings, _skipped_layer_fraction(controller),
+    result = CalibrationResult(policy, float(target_saving), settings, controller.report.skipped_layer_fraction,
                                controller.report.skip_rates)
     if store:
         adapter.calibration.setdefault(policy, {})[f"{float(target_saving):.4f}"] = settings
@@ -188,7 +183,7 @@ def _bisect(adapter, batches, policy, settings_at, start_rate, target, tolerance
     best = (float("inf"), settings_at(rate))
     for _ in range(max_iterations):
         settings = settings_at(rate)
-        achieved = _skipped_layer_fraction(_run(adapter, batches, POLICIES[policy](**settings)))
+        achieved = _run(adapter, batches, POLICIES[policy](**settings)).report.skipped_layer_fraction
         if abs(achieved - target) < best[0]:
             best = (abs(achieved - target), settings)
         if abs(achieved - target) <= tolerance:

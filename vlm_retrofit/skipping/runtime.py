@@ -71,7 +71,8 @@ class SkipController:
         self.skippable = frozenset(self.layout.skippable_blocks)
         if policy is not None:
             policy.validate(self.layout, adapter)
-        self.report = SkipReport(num_blocks=self.layout.num_blocks, policy=getattr(policy, "name", ""))
+        self.report = SkipReport(num_blocks=self.layout.num_blocks, policy=getattr(policy, "name", ""),
+                                 block_layers=[len(self.layout.layers_of_block(b)) for b in range(self.layout.num_blocks)])
         self.cost = LayerCost.from_config(adapter.spec.get_text_config(adapter.model))
         self._skip: dict[int, Tensor | None] = {}
         self._used: Tensor | None = None

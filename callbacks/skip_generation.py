@@ -1,0 +1,173 @@
+"""SkipAwareGenerationCallback: at validation, generate with and without skipping and log what skipping cost."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Mapping
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities import rank_zero_only
+from torch import Tensor
+
+from vlm_retrofit.skipping import SkipReport, calibrate
+from vlm_retrofit.skipping.calibrate import _model_inputs
+
+
+def prompts_from_batch(batch: Mapping[str, Any], pad_token_id: int) -> dict[str, Any]:
+    """Cut a right-padded training batch down to its prompts (everything before the first response token),
+    left-padded for generation. Images sit in the prompt, so visual inputs stay valid as they are."""
+    ids, loss_mask = batch["input_ids"], batch["loss_mask"]
+    rows, length = ids.shape
+    attention = batch.get("attention_mask", torch.ones_like(ids))
+    lengths = []
+    for row in range(rows):
+        first = loss_mask[row].nonzero()
+        lengths.append(int(first[0]) + 1 if len(first) else int(attention[row].sum()))
+    width = max(lengths)
+    prompts: dict[str, Any] = {}
+    for key, value in _model_inputs(batch).items():
+        if isinstance(value, Tensor) and value.dim() == 2 and tuple(value.shape) == (rows, length):
+            fill = pad_token_id if key == "input_ids" else 0
+            padded = torch.full((rows, width), fill, dtype=value.dtype, device=value.device)
+            for row, n in enumerate(lengths):
+                padded[row, width - n:] = value[row, :n]
+            value = padded
+        prompts[key] = value
+    return prompts
+
+
+class SkipAwareGenerationCallback(pl.Callback):
+    """Generate on validation prompts with skipping and without it, and log the trade-off.
+
+    Logged (rank 0): `skip/compute_saved` (decoder-block FLOPs, from what ran: in batches only steps every row
+    skips save), `skip/skipped_layer_fraction` (token-level), `skip/token_match` and
+    `skip/rouge_l` (agreement of the skipping output with the unskipped one), `skip/tokens_per_s`,
+    `skip/base_tokens_per_s`, `skip/block_<n>` skip rates, and a per-block skip-rate bar chart
+    (TensorBoard image, or a PNG in the logger's folder for CSV). A summary table is printed.
+    """
+
+    def __init__(self, enabled: bool = True, every_n_epochs: int = 1, max_samples: int = 8, max_new_tokens: int = 16,
+                 policy: str = "recent_weight", target_saving: float = 0.25) -> None:
+        """
+        Args:
+            enabled: False turns the callback off entirely (it then costs nothing).
+            every_n_epochs: run on validation passes whose epoch is a multiple of this.
+            max_samples: generate for at most this many validation samples (whole batches, from the first).
+            max_new_tokens: tokens generated per sample, greedy, both ways.
+            policy: skip policy (`recent_weight`, `gate`, `static`, `random`).
+            target_saving: fraction of layer executions to skip; the policy's thresholds are calibrated for it on
+                these prompts each time (the routers change during training), unless the adapter already
+                carries a calibration for this target.
+        """
+        super().__init__()
+        self.enabled, self.every_n_epochs = enabled, max(1, int(every_n_epochs))
+        self.max_samples, self.max_new_tokens = int(max_samples), int(max_new_tokens)
+        self.policy, self.target_saving = policy, float(target_saving)
+        self._batches: list[Mapping[str, Any]] = []
+        self.last_metrics: dict[str, float] = {}
+
+    def _active(self, trainer: pl.Trainer) -> bool:
+        return (self.enabled and not trainer.sanity_checking and trainer.is_global_zero
+                and trainer.current_epoch % self.every_n_epochs == 0)
+
+    def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._batches = []
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+        if self._active(trainer) and sum(len(b["input_ids"]) for b in self._batches) < self.max_samples:
+            self._batches.append(batch)
+
+    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not self._active(trainer) or not self._batches:
+            return
+        model, adapter, processor = pl_module.model, pl_module.adapter, pl_module.processor
+        tokenizer = getattr(processor, "tokenizer", processor)
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        prompts = [prompts_from_batch(b, pad) for b in self._batches]
+        key = f"{self.target_saving:.4f}"
+        settings = adapter.calibration.get(self.policy, {}).get(key)
+        if settings is None:
+            settings = calibrate(adapter, prompts, self.target_saving, self.policy, store=False).settings
+        base_out, skip_out, base_time, skip_time, reports = [], [], 0.0, 0.0, []
+        options = dict(max_new_tokens=self.max_new_tokens, do_sample=False, pad_token_id=pad)
+        with torch.no_grad():
+            for prompt in prompts:
+                start = time.perf_counter()
+                base_out.append(model.generate(**prompt, **options)[:, prompt["input_ids"].shape[1]:])
+                base_time += time.perf_counter() - start
+                start = time.perf_counter()
+                with adapter.skipping(self.policy, **settings) as report:
+                    skip_out.append(model.generate(**prompt, **options)[:, prompt["input_ids"].shape[1]:])
+                skip_time += time.perf_counter() - start
+                reports.append(report)
+        metrics = self._metrics(base_out, skip_out, base_time, skip_time, reports, tokenizer, pad)
+        self.last_metrics = metrics
+        pl_module.log_dict(metrics, rank_zero_only=True)
+        rates = SkipReport.merged(reports).skip_rates
+        self._plot(trainer, rates)
+        self._print(trainer, metrics, rates)
+
+    @staticmethod
+    def _metrics(base_out, skip_out, base_time, skip_time, reports, tokenizer, pad) -> dict[str, float]:
+        from torchmetrics.functional.text.rouge import rouge_score
+
+        matches = total = 0
+        base_texts, skip_texts = [], []
+        for base, skip in zip(base_out, skip_out):
+            width = max(base.shape[1], skip.shape[1])
+            base = torch.nn.functional.pad(base, (0, width - base.shape[1]), value=pad)
+            skip = torch.nn.functional.pad(skip, (0, width - skip.shape[1]), value=pad)
+            matches += int((base == skip).sum())
+            total += base.numel()
+            base_texts += tokenizer.batch_decode(base, skip_special_tokens=True)
+            skip_texts += tokenizer.batch_decode(skip, skip_special_tokens=True)
+        rouge = rouge_score(skip_texts, base_texts, rouge_keys="rougeL")["rougeL_fmeasure"]
+        report = SkipReport.merged(reports)
+        generated = sum(o.numel() for o in base_out)
+        metrics = {
+            "skip/compute_saved": report.compute_saved,
+            "skip/skipped_layer_fraction": report.skipped_layer_fraction,
+            "skip/token_match": matches / total if total else 1.0,
+            "skip/rouge_l": float(rouge),
+            "skip/tokens_per_s": generated / skip_time if skip_time else 0.0,
+            "skip/base_tokens_per_s": generated / base_time if base_time else 0.0,
+        }
+        for block, rate in enumerate(report.skip_rates):
+            metrics[f"skip/block_{block}"] = rate
+        return metrics
+
+    @rank_zero_only
+    def _plot(self, trainer: pl.Trainer, rates: list[float]) -> None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        figure, axis = plt.subplots(figsize=(max(4, 0.35 * len(rates)), 2.5))
+        axis.bar(range(len(rates)), rates)
+        axis.set(xlabel="block", ylabel="skip rate", ylim=(0, 1), title=f"{self.policy}, epoch {trainer.current_epoch}")
+        figure.tight_layout()
+        for logger in trainer.loggers:
+            experiment = getattr(logger, "experiment", None)
+            if hasattr(experiment, "add_figure"):
+                experiment.add_figure("skip/block_rates", figure, global_step=trainer.global_step)
+            elif getattr(logger, "log_dir", None):
+                os.makedirs(logger.log_dir, exist_ok=True)
+                figure.savefig(os.path.join(logger.log_dir, f"skip_rates_epoch{trainer.current_epoch}.png"))
+        plt.close(figure)
+
+    @rank_zero_only
+    def _print(self, trainer: pl.Trainer, metrics: dict[str, float], rates: list[float]) -> None:
+        rows = [("compute saved", f"{100 * metrics['skip/compute_saved']:.1f} %"),
+                ("layer executions skipped", f"{100 * metrics['skip/skipped_layer_fraction']:.1f} %"),
+                ("token match", f"{100 * metrics['skip/token_match']:.1f} %"),
+                ("ROUGE-L vs unskipped", f"{metrics['skip/rouge_l']:.3f}"),
+                ("tokens/s skip | base", f"{metrics['skip/tokens_per_s']:.1f} | {metrics['skip/base_tokens_per_s']:.1f}"),
+                ("skip rate per block", " ".join(f"{r:.2f}" for r in rates))]
+        width = max(len(name) for name, _ in rows)
+        print(f"\nskip-aware generation ({self.policy}, target {100 * self.target_saving:.0f} %, epoch {trainer.current_epoch})")
+        for name, value in rows:
+            print(f"  {name:<{width}}  {value}")
+
