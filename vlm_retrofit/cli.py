@@ -1,16 +1,79 @@
-"""Command line: `python -m vlm_retrofit <subcommand> ...`, callable in-process as `main([...])`."""
+"""Command line: `python -m vlm_retrofit <subcommand> ...`, callable in-process as `main([...])`.
+
+* `fit`, `validate`, `test`, `predict`: Lightning's CLI over `RetrofitModule` and a datamodule (default
+  `WebDatasetDataModule`). With no options, `fit` runs the built-in tiny default (what `configs/tiny.yaml`
+  spells out): a tiny offline backbone on synthetic shards, about a minute on a CPU.
+* other subcommands (`shards`, and `calibrate` / `generate` / `merge` where installed) have their own parsers.
+"""
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import os
 import sys
-from typing import Callable, Sequence
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+LIGHTNING_SUBCOMMANDS = ("fit", "validate", "test", "predict")
 
 # Subcommands implemented outside this file, imported only when used so `--help` stays fast.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "fit": ("vlm_retrofit.demo", "main"),
     "shards": ("vlm_retrofit.datamodules.shards", "main"),
+    "calibrate": ("vlm_retrofit.skipping.calibrate", "main"),
+    "generate": ("vlm_retrofit.generate", "main"),
+    "merge": ("vlm_retrofit.release", "main"),
 }
+
+DATAMODULE = "vlm_retrofit.datamodules.webdataset.WebDatasetDataModule"
+RUN_DIR = "runs/tiny"
+"""Where the built-in default run writes checkpoints (`<RUN_DIR>/checkpoints/last.ckpt`), logs and the adapter."""
+
+# The built-in default run. configs/tiny.yaml spells out the same values (a test keeps them identical).
+# Model settings that differ from RetrofitModule's own defaults: learned skip gates pulled to 75 % compute.
+MODEL_DEFAULTS: dict[str, Any] = {
+    "router.skip_gate": True,
+    "compute_target": 0.75,
+    "max_drop_rate": 0.0,
+    "lr": 0.05,
+}
+DATA_DEFAULTS: dict[str, Any] = {
+    "batch_size": 4,
+    "num_workers": 1,
+    "max_length": 256,
+    "train_samples_per_epoch": 160,
+    "synthetic_samples": 256,
+}
+CHECKPOINT_DEFAULTS: dict[str, Any] = {
+    "dirpath": f"{RUN_DIR}/checkpoints",
+    "filename": "step{step:06d}",
+    "auto_insert_metric_name": False,
+    "save_last": True,
+    "every_n_train_steps": 20,
+    "enable_version_counter": False,
+}
+GENERATION_CALLBACK_DEFAULTS: dict[str, Any] = {
+    "max_samples": 8,
+    "max_new_tokens": 16,
+    "policy": "gate",
+    "target_saving": 0.25,
+}
+TRAINER_DEFAULTS: dict[str, Any] = {
+    "max_steps": 40,
+    "log_every_n_steps": 1,
+    "limit_val_batches": 4,
+    "num_sanity_val_steps": 0,
+    "default_root_dir": RUN_DIR,
+}
+
+
+def _available(name: str) -> bool:
+    module, _ = SUBCOMMANDS[name]
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        return False
 
 
 def _load(name: str) -> Callable[[list[str]], int | None]:
@@ -18,8 +81,115 @@ def _load(name: str) -> Callable[[list[str]], int | None]:
     return getattr(importlib.import_module(module), attr)
 
 
+def _commands() -> list[str]:
+    return [*LIGHTNING_SUBCOMMANDS, *(name for name in SUBCOMMANDS if _available(name))]
+
+
 def _usage() -> str:
-    return "usage: python -m vlm_retrofit {" + ",".join(SUBCOMMANDS) + "} [options]  (see <subcommand> --help)"
+    return (
+        "usage: python -m vlm_retrofit {" + ",".join(_commands()) + "} [options]  (see <subcommand> --help)\n"
+        "  fit       train the depth routers by self-distillation (no options: the built-in tiny demo;\n"
+        "            --config configs/<name>.yaml for a real backbone; --ckpt_path last resumes)\n"
+        "  validate / test / predict   evaluate a checkpoint (--ckpt_path) with the same config"
+    )
+
+
+def _lightning_cli_class():
+    from jsonargparse import lazy_instance
+    from lightning.pytorch.cli import LightningCLI
+    from lightning.pytorch.loggers import CSVLogger
+
+    from .training import RetrofitModule
+
+    class RetrofitCLI(LightningCLI):
+        """LightningCLI with the built-in default run and the backbone -> datamodule processor link."""
+
+        def add_arguments_to_parser(self, parser) -> None:
+            # The datamodule formats text with the backbone's own processor: one setting for both.
+            parser.link_arguments("model.backbone", "data.init_args.processor")
+            parser.set_defaults({
+                **{f"model.{key}": value for key, value in MODEL_DEFAULTS.items()},
+                "data": {"class_path": DATAMODULE, "init_args": dict(DATA_DEFAULTS)},
+                # The checkpoint callback comes last: `--trainer.callbacks.<arg>` edits the last entry.
+                "trainer.callbacks": [{"class_path": "vlm_retrofit.callbacks.SkipAwareGenerationCallback",
+                                       "init_args": dict(GENERATION_CALLBACK_DEFAULTS)},
+                                      {"class_path": "vlm_retrofit.training.RetrofitCheckpoint",
+                                       "init_args": dict(CHECKPOINT_DEFAULTS)}],
+                "trainer.logger": lazy_instance(CSVLogger, save_dir=RUN_DIR, name="logs"),
+            })
+
+        def after_fit(self) -> None:
+            _report_fit(self.trainer, self.model)
+
+    return RetrofitCLI, RetrofitModule
+
+
+def _checkpoint_callback(trainer):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    return next((c for c in trainer.checkpoint_callbacks if isinstance(c, ModelCheckpoint)), None)
+
+
+def _report_fit(trainer, model) -> None:
+    """What the run saved and achieved (rank zero only)."""
+    if trainer.global_rank != 0:
+        return
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if getattr(v, "numel", lambda: 1)() == 1}
+    lines = [f"vlm_retrofit fit: {trainer.global_step} optimizer steps on {model.hparams.backbone}"]
+    callback = _checkpoint_callback(trainer)
+    last = getattr(callback, "last_model_path", "") or ""
+    best = getattr(callback, "best_model_path", "") or ""
+    if last and os.path.isfile(last):
+        lines.append(f"  checkpoint {last} ({os.path.getsize(last) / 1024:.1f} KiB: trainable state, optimizer and "
+                     "loop state; `--ckpt_path last` resumes)")
+    if best and best != last and os.path.isfile(best):
+        lines.append(f"  checkpoint {best} ({os.path.getsize(best) / 1024:.1f} KiB)")
+    if not trainer.fast_dev_run:
+        adapter_dir = Path(trainer.default_root_dir) / "adapter"
+        model.save_adapter(adapter_dir)
+        size = sum(f.stat().st_size for f in adapter_dir.rglob("*") if f.is_file())
+        lines.append(f"  router adapter {adapter_dir}/ ({size / 1024:.1f} KiB; load with "
+                     "RouterAdapter.from_pretrained(model, path))")
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    lines.append(f"  trainable parameters {trainable:,} of {total:,} ({100 * trainable / max(1, total):.3f} %)")
+    if "train/keep_realised" in metrics:
+        lines.append(
+            f"  last step: KL {metrics.get('train/kl', float('nan')):.4g}, drop rate "
+            f"{metrics.get('train/drop_rate', float('nan')):.2f}, keep ratio of skippable blocks expected "
+            f"{metrics.get('train/keep_expected', float('nan')):.3f} / realised {metrics['train/keep_realised']:.3f}, "
+            f"decoder compute realised {metrics.get('train/compute_realised', float('nan')):.3f}"
+            + (f" (target {model.hparams.compute_target})" if model.hparams.compute_target is not None else ""))
+    if "val/kl" in metrics:
+        lines.append(f"  validation (skips sampled as in training, at the full drop rate): KL {metrics['val/kl']:.4g}, "
+                     "keep realised "
+                     f"{metrics.get('val/keep_realised', float('nan')):.3f}")
+    if model.nonfinite_steps:
+        lines.append(f"  non-finite steps skipped: {model.nonfinite_steps}")
+    if model.stop_reason:
+        lines.append(f"  {model.stop_reason}")
+    print("\n".join(lines), flush=True)
+
+
+def run_lightning(argv: list[str] | None):
+    """Run LightningCLI on `argv` (a Lightning subcommand first); returns the LightningCLI object."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=Warning)
+    warnings.filterwarnings("ignore", message=r".*module\(s\) in eval mode at the start of training.*")
+    if argv is not None:  # called in-process: sys.argv belongs to the host program (e.g. pytest)
+        warnings.filterwarnings("ignore", message=r".*LightningCLI's args parameter is intended to run from within")
+    cli_class, module_class = _lightning_cli_class()
+    return cli_class(
+        module_class,
+        None,
+        subclass_mode_data=True,
+        args=argv,
+        trainer_defaults=dict(TRAINER_DEFAULTS),
+        save_config_kwargs={"overwrite": True},
+        auto_configure_optimizers=False,
+        seed_everything_default=0,
+        parser_kwargs={"prog": "python -m vlm_retrofit"},
+    )
 
 
 def main(args: Sequence[str] | None = None) -> int:
@@ -29,8 +199,22 @@ def main(args: Sequence[str] | None = None) -> int:
         print(_usage())
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
-    if command not in SUBCOMMANDS:
+    if command in LIGHTNING_SUBCOMMANDS:
+        try:
+            cli = run_lightning(None if args is None else argv)  # None: LightningCLI reads sys.argv itself
+        except SystemExit as exit_:  # --help, --print_config, parse errors
+            code = exit_.code
+            return code if isinstance(code, int) else (0 if code is None else 1)
+        stop_reason = getattr(getattr(cli, "model", None), "stop_reason", None)
+        if stop_reason:
+            print(stop_reason, file=sys.stderr)
+            return 1
+        return 0
+    if command not in SUBCOMMANDS or not _available(command):
         print(f"unknown subcommand {command!r}. {_usage()}", file=sys.stderr)
         return 2
-    status = _load(command)(rest)
-    return int(status or 0)
+    try:
+        status = _load(command)(rest)
+    except SystemExit as exit_:  # argparse --help / errors
+        status = exit_.code
+    return status if isinstance(status, int) else (0 if status is None else 1)

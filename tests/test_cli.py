@@ -1,0 +1,109 @@
+"""`python -m vlm_retrofit`: usage, every shipped config parses, tiny configs run, and the built-in default fit."""
+
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from vlm_retrofit import AdapterMismatchError, RouterAdapter
+from vlm_retrofit.cli import main
+from vlm_retrofit.testing import tiny_vlm
+from vlm_retrofit.training import inspect_checkpoint
+
+CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.yaml"))
+TINY = [c for c in CONFIGS if yaml.safe_load(c.read_text())["model"]["backbone"].startswith("tiny:")]
+
+
+def _printed_config(capsys, *args):
+    capsys.readouterr()
+    assert main(["fit", *args, "--print_config"]) == 0
+    return yaml.safe_load(capsys.readouterr().out)
+
+
+def test_usage_without_arguments(capsys):
+    assert main([]) == 2
+    out = capsys.readouterr().out
+    assert "usage: python -m vlm_retrofit {fit,validate,test,predict,shards" in out
+    assert main(["--help"]) == 0
+    assert main(["no-such-command"]) == 2
+    assert main(["shards", "--help"]) == 0  # non-Lightning subcommands keep their own parsers
+
+
+def test_fit_help_documents_the_module_arguments(capsys):
+    assert main(["fit", "--help"]) == 0
+    out = capsys.readouterr().out
+    for text in ("--model.backbone", "tiny:<family>", "--model.compute_target", "--model.router.skip_gate",
+                 "--model.max_nonfinite_steps", "--ckpt_path", "--data CONFIG | CLASS_PATH_OR_NAME"):
+        assert text in out
+
+
+def test_shipped_configs_include_tiny_and_real_backbone_templates():
+    names = {c.name for c in CONFIGS}
+    assert {"tiny.yaml", "smolvlm-256m.yaml", "qwen2-vl-2b.yaml", "llava-1.5-7b.yaml"} <= names
+    for config in set(CONFIGS) - set(TINY):
+        text = config.read_text()
+        assert "NEEDS A DOWNLOAD" in text and "/" in yaml.safe_load(text)["model"]["backbone"]
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c.name)
+def test_every_shipped_config_parses(config, capsys):
+    printed = _printed_config(capsys, "--config", str(config))
+    written = yaml.safe_load(config.read_text())
+    assert printed["model"]["backbone"] == written["model"]["backbone"]
+    assert "processor" not in written["data"]["init_args"]  # linked to model.backbone, not set separately
+    for key, value in written["model"].get("router", {}).items():
+        assert printed["model"]["router"][key] == value
+    assert printed["trainer"]["max_steps"] == written["trainer"]["max_steps"]
+
+
+def test_tiny_yaml_is_the_builtin_default(capsys):
+    assert _printed_config(capsys) == _printed_config(capsys, "--config", str(Path(CONFIGS[0]).parent / "tiny.yaml"))
+
+
+@pytest.mark.parametrize("config", TINY, ids=lambda c: c.name)
+def test_tiny_configs_run_fast_dev_run(config, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["fit", "--config", str(config), "--trainer.fast_dev_run", "1",
+                 "--trainer.enable_progress_bar", "false", "--data.num_workers", "0"]) == 0
+
+
+def test_builtin_default_fit_saves_and_reports(tmp_path, monkeypatch, capsys):
+    """`python -m vlm_retrofit fit` (shortened): checkpoints under runs/tiny, the adapter, and a summary."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["fit", "--trainer.max_steps", "6", "--trainer.val_check_interval", "6", "--trainer.limit_val_batches", "2",
+                 "--trainer.enable_progress_bar", "false"]) == 0
+    out = capsys.readouterr().out
+    last = tmp_path / "runs" / "tiny" / "checkpoints" / "last.ckpt"
+    assert f"checkpoint {last}" in out and "KiB" in out and "keep ratio" in out
+    info = inspect_checkpoint(last)
+    assert info["global_step"] == 6 and info["file_bytes"] < 64 * 1024
+    checkpoint = torch.load(last, map_location="cpu", weights_only=True)
+    assert checkpoint["datamodule_hyper_parameters"]["processor"] == "tiny:qwen2_vl"  # the backbone's processor
+    metrics = tmp_path / "runs" / "tiny" / "logs" / "version_0" / "metrics.csv"
+    # The skip-aware generation callback ran at validation and logged its metrics and plot.
+    header = metrics.read_text().splitlines()[0].split(",")
+    assert {"skip/compute_saved", "skip/token_match", "skip/rouge_l", "skip/tokens_per_s"} <= set(header)
+    assert (metrics.parent / "skip_rates_epoch0.png").is_file()
+    assert "skip-aware generation" in out
+    model, _ = tiny_vlm("qwen2_vl")
+    adapter = RouterAdapter.from_pretrained(model, tmp_path / "runs" / "tiny" / "adapter")
+    saved = checkpoint["state_dict"]
+    assert {f"adapter.{k}" for k in adapter.state_dict()} == set(saved)
+    for key, value in adapter.state_dict().items():  # the exported adapter is the checkpoint's final state
+        assert torch.equal(value, saved[f"adapter.{key}"])
+
+
+def test_validate_test_and_predict_from_a_checkpoint(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    data = ["--data", "vlm_retrofit.training.FixedBatchDataModule", "--data.num_batches", "2",
+            "--data.batch_size", "2", "--trainer.enable_progress_bar", "false"]
+    assert main(["fit", *data, "--trainer.max_steps", "2"]) == 0
+    last = str(tmp_path / "runs" / "tiny" / "checkpoints" / "last.ckpt")
+    for command in ("validate", "test", "predict"):
+        assert main([command, *data, "--ckpt_path", last]) == 0, command
+    # Given a checkpoint FILE, Lightning's CLI takes the model settings from the checkpoint (so the backbone
+    # always matches); `last` is resolved after the model is built, and another backbone is then refused.
+    assert main(["validate", *data, "--model.backbone", "tiny:gemma3", "--ckpt_path", last]) == 0
+    with pytest.raises(AdapterMismatchError, match=r"different base model \(qwen2_vl.*\(gemma3"):
+        main(["validate", *data, "--model.backbone", "tiny:gemma3", "--ckpt_path", "last"])

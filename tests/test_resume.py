@@ -1,0 +1,181 @@
+"""Trainable-only checkpoints, resume continuity, killed runs, and refusal of a checkpoint for another base."""
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from vlm_retrofit.cli import main
+from vlm_retrofit.routing import AdapterMismatchError
+from vlm_retrofit.training import CHECKPOINT_KEY, RetrofitModule, inspect_checkpoint
+
+N = 4  # steps per half; = batches per epoch of the fixed data, so both halves see the same batches
+
+
+def _args(run_dir, *extra, steps=2 * N, backbone="tiny:qwen2_vl", every=2):
+    return [
+        "fit",
+        "--model.backbone", backbone,
+        "--model.max_drop_rate", "0.5",
+        "--model.drop_warmup_steps", "3",
+        "--model.router.skip_gate", "true",
+        "--model.compute_target", "0.6",
+        "--model.total_steps", str(2 * N),  # the same LR schedule in every run
+        "--model.warmup_steps", "2",
+        "--data", "vlm_retrofit.training.FixedBatchDataModule",
+        "--data.num_batches", str(N),
+        "--data.val_batches", "0",
+        "--data.batch_size", "2",
+        "--trainer.max_steps", str(steps),
+        "--trainer.accelerator", "cpu",
+        "--trainer.enable_progress_bar", "false",
+        "--trainer.enable_model_summary", "false",
+        "--trainer.logger", "false",
+        "--trainer.default_root_dir", str(run_dir),
+        "--trainer.callbacks.dirpath", str(run_dir / "checkpoints"),
+        "--trainer.callbacks.every_n_train_steps", str(every),
+        *extra,
+    ]
+
+
+def _fit(run_dir, *extra, **kw):
+    return main(_args(run_dir, *extra, **kw))
+
+
+@pytest.fixture
+def count_steps(monkeypatch):
+    """Counts training steps actually run (a resume that silently started over would run all of them)."""
+    calls = []
+    original = RetrofitModule.training_step
+
+    def counted(self, batch, batch_idx):
+        calls.append(self.global_step)
+        return original(self, batch, batch_idx)
+
+    monkeypatch.setattr(RetrofitModule, "training_step", counted)
+    return calls
+
+
+def _routers(path):
+    return torch.load(path, map_location="cpu", weights_only=True)["state_dict"]
+
+
+def test_checkpoint_holds_only_the_trainable_state(tmp_path):
+    assert _fit(tmp_path, steps=2) == 0
+    path = tmp_path / "checkpoints" / "last.ckpt"
+    info = inspect_checkpoint(path)
+    module = RetrofitModule(backbone="tiny:qwen2_vl", router={"skip_gate": True})
+    assert set(info["tensors"]) == module.trainable_keys() == set(info["trainable_keys"])
+    assert all(k.startswith(("adapter.routers.", "adapter.gates.")) for k in info["tensors"])
+    assert info["parameters"] == sum(p.numel() for p in module.parameters() if p.requires_grad) < 2000
+    assert info["file_bytes"] < 64 * 1024  # kilobytes: no backbone weights
+    assert info["base_fingerprint"] == module.adapter.fingerprint
+    assert info["router_config"]["skip_gate"] is True and info["global_step"] == 2
+    checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    assert checkpoint["optimizer_states"] and checkpoint["lr_schedulers"] and checkpoint["loops"]
+    assert checkpoint["hyper_parameters"]["backbone"] == "tiny:qwen2_vl"
+    # It loads back into a fresh module (weights from the backbone id, routers from the checkpoint).
+    restored = RetrofitModule.load_from_checkpoint(path)
+    for key, value in checkpoint["state_dict"].items():
+        assert torch.equal(restored.state_dict()[key], value)
+
+
+def test_resume_continues_exactly(tmp_path, count_steps):
+    """N steps, then resume for N more == 2N straight (deterministic data, skip masks seeded per step)."""
+    assert _fit(tmp_path / "straight") == 0
+    assert _fit(tmp_path / "halves", steps=N) == 0
+    assert inspect_checkpoint(tmp_path / "halves" / "checkpoints" / "last.ckpt")["global_step"] == N
+    count_steps.clear()
+    assert _fit(tmp_path / "halves", "--ckpt_path", "last") == 0
+    assert count_steps == list(range(N, 2 * N))  # it continued from step N
+    straight = _routers(tmp_path / "straight" / "checkpoints" / "last.ckpt")
+    resumed = _routers(tmp_path / "halves" / "checkpoints" / "last.ckpt")
+    assert inspect_checkpoint(tmp_path / "halves" / "checkpoints" / "last.ckpt")["global_step"] == 2 * N
+    init = RetrofitModule(backbone="tiny:qwen2_vl", router={"skip_gate": True}).trainable_state_dict()
+    assert any((straight[k] - init[k]).abs().max() > 1e-4 for k in init)  # training really moved them
+    for key in straight:
+        torch.testing.assert_close(resumed[key], straight[key], atol=1e-5, rtol=0)
+
+
+def test_killed_run_resumes_from_its_last_checkpoint(tmp_path, monkeypatch, count_steps):
+    assert _fit(tmp_path / "straight") == 0
+
+    def crash(self, outputs, batch, batch_idx):
+        if self.global_step == 5:
+            raise RuntimeError("simulated crash")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(RetrofitModule, "on_train_batch_end", crash, raising=False)
+        with pytest.raises(RuntimeError, match="simulated crash"):
+            _fit(tmp_path / "crashed")
+    assert inspect_checkpoint(tmp_path / "crashed" / "checkpoints" / "last.ckpt")["global_step"] == 4
+    count_steps.clear()
+    assert _fit(tmp_path / "crashed", "--ckpt_path", "last") == 0
+    assert count_steps == [4, 5, 6, 7]
+    straight = _routers(tmp_path / "straight" / "checkpoints" / "last.ckpt")
+    resumed = _routers(tmp_path / "crashed" / "checkpoints" / "last.ckpt")
+    for key in straight:
+        torch.testing.assert_close(resumed[key], straight[key], atol=1e-5, rtol=0)
+
+
+def test_checkpoint_for_another_base_is_refused(tmp_path):
+    assert _fit(tmp_path, steps=2) == 0
+    with pytest.raises(AdapterMismatchError, match=r"different base model \(qwen2_vl.*\(llava"):
+        _fit(tmp_path, "--ckpt_path", "last", backbone="tiny:llava")
+    # Same family, different depth: refused by the fingerprint too (directly through the hook).
+    checkpoint = torch.load(tmp_path / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    deeper = RetrofitModule(backbone="tiny:qwen2_vl", router={"skip_gate": True},
+                            backbone_kwargs={"num_hidden_layers": 6})
+    with pytest.raises(AdapterMismatchError, match="4 layers.*6 layers"):
+        deeper.on_load_checkpoint(checkpoint)
+
+
+def test_missing_trainable_key_fails_loudly(tmp_path):
+    assert _fit(tmp_path, steps=2) == 0
+    checkpoint = torch.load(tmp_path / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    module = RetrofitModule(backbone="tiny:qwen2_vl", router={"skip_gate": True})
+    module.on_load_checkpoint(checkpoint)  # complete: accepted
+    del checkpoint["state_dict"]["adapter.routers.2.query"]
+    with pytest.raises(AdapterMismatchError, match=r"missing \['adapter.routers.2.query'\]"):
+        module.on_load_checkpoint(checkpoint)
+    no_gates = RetrofitModule(backbone="tiny:qwen2_vl")  # the gates in the checkpoint are unexpected here
+    checkpoint = torch.load(tmp_path / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    with pytest.raises(AdapterMismatchError, match="unexpected.*adapter.gates"):
+        no_gates.on_load_checkpoint(checkpoint)
+    del checkpoint[CHECKPOINT_KEY]
+    with pytest.raises(AdapterMismatchError, match="not written by"):
+        module.on_load_checkpoint(checkpoint)
+
+
+KILL_SCRIPT = """
+import os, signal, sys
+from vlm_retrofit.cli import main
+from vlm_retrofit.training import RetrofitModule
+
+def die(self, outputs, batch, batch_idx):
+    if self.global_step == 5:
+        os.kill(os.getpid(), signal.SIGKILL)  # no teardown, no exception handling: a real kill
+
+RetrofitModule.on_train_batch_end = die
+main(sys.argv[1:])
+"""
+
+
+@pytest.mark.slow
+def test_sigkilled_process_resumes_from_its_last_checkpoint(tmp_path, count_steps):
+    assert _fit(tmp_path / "straight") == 0
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    result = subprocess.run([sys.executable, "-c", KILL_SCRIPT, *_args(tmp_path / "killed")], capture_output=True,
+                            text=True, timeout=300, env=env)
+    assert result.returncode == -signal.SIGKILL, result.stderr[-2000:]
+    assert inspect_checkpoint(tmp_path / "killed" / "checkpoints" / "last.ckpt")["global_step"] == 4
+    count_steps.clear()
+    assert _fit(tmp_path / "killed", "--ckpt_path", "last") == 0
+    assert count_steps == [4, 5, 6, 7]
+    straight = _routers(tmp_path / "straight" / "checkpoints" / "last.ckpt")
+    resumed = _routers(tmp_path / "killed" / "checkpoints" / "last.ckpt")
+    for key in straight:
+        torch.testing.assert_close(resumed[key], straight[key], atol=1e-5, rtol=0)

@@ -1,0 +1,272 @@
+"""RetrofitModule: the distillation loss and its invariants, skip simulation = cached inference, logging, NaN steps."""
+
+import math
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from vlm_retrofit.skipping import PatternPolicy, SkipController
+from vlm_retrofit.testing import tiny_vlm
+from vlm_retrofit.training import FixedBatchDataModule, RetrofitModule, compute_penalty, distillation_kl, drop_rate_at
+from vlm_retrofit.training.optim import lr_lambda, parameter_groups
+
+
+def _batch(family, batch_size=2, seed=0):
+    dm = FixedBatchDataModule(processor=f"tiny:{family}", num_batches=1, val_batches=0, batch_size=batch_size,
+                              seed=seed)
+    dm.setup()
+    return dm.train_batches[0]
+
+
+def _trainer(max_steps, **kw):
+    return pl.Trainer(max_steps=max_steps, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                      limit_val_batches=0, **kw)
+
+
+def _randomise_routers(adapter, scale=0.5, seed=5):
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for router in adapter.routers.values():
+            router.query.copy_(scale * torch.randn(router.query.shape, generator=generator))
+        for gate in adapter.gates.values():
+            gate.query.copy_(torch.randn(gate.query.shape, generator=generator))
+            gate.bias.fill_(0.5)
+
+
+# --------------------------------------------------------------------------- loss pieces
+def test_distillation_kl_is_the_masked_tempered_kl():
+    torch.manual_seed(0)
+    student, teacher = torch.randn(2, 5, 11, requires_grad=True), torch.randn(2, 5, 11)
+    mask = torch.tensor([[0, 1, 1, 0, 0], [1, 0, 0, 0, 1]], dtype=torch.bool)
+    T = 2.0
+    p_t = torch.softmax(teacher[mask] / T, -1)
+    manual = (p_t * (p_t.log() - torch.log_softmax(student[mask] / T, -1))).sum(-1).mean() * T * T
+    value = distillation_kl(student, teacher, mask, temperature=T)
+    torch.testing.assert_close(value, manual)
+    assert distillation_kl(teacher, teacher, mask).abs() < 1e-6
+    empty = distillation_kl(student, teacher, torch.zeros_like(mask))
+    empty.backward()  # no selected position: zero, still differentiable
+    assert empty == 0 and student.grad is not None and student.grad.abs().sum() == 0
+
+
+def test_compute_penalty_drop_schedule_and_lr_schedule():
+    expected = torch.tensor(0.9, requires_grad=True)
+    assert compute_penalty(expected, None, 5.0) == 0
+    torch.testing.assert_close(compute_penalty(expected, 0.8, 2.0, "hinge"), torch.tensor(0.2))
+    torch.testing.assert_close(compute_penalty(expected, 0.95, 2.0, "hinge"), torch.tensor(0.0))
+    torch.testing.assert_close(compute_penalty(expected, 0.8, 2.0, "squared"), torch.tensor(0.02))
+    compute_penalty(expected, 0.8, 2.0).backward()
+    assert expected.grad == 2.0
+    assert [drop_rate_at(s, 0.4, 4) for s in (0, 2, 4, 100)] == [0.0, 0.2, 0.4, 0.4]
+    assert drop_rate_at(0, 0.3, 0) == 0.3
+    f = lr_lambda("cosine", warmup_steps=4, total_steps=14, min_lr_ratio=0.1)
+    assert f(0) == 0.25 and f(3) == 1.0 and f(4) == 1.0
+    assert math.isclose(f(9), 0.55) and math.isclose(f(14), 0.1) and math.isclose(f(100), 0.1)
+    assert lr_lambda("constant", 2, 10, 0.1)(9) == 1.0
+    assert math.isclose(lr_lambda("linear", 0, 10, 0.0)(5), 0.5)
+
+
+# --------------------------------------------------------------------------- invariants of the loss
+@pytest.mark.parametrize("family", ["qwen2_vl", "llava", "gemma3", "idefics3", "llama"])
+def test_identity_at_init_zero_kl_and_skipping_gives_signal(family):
+    module = RetrofitModule(backbone=f"tiny:{family}", max_drop_rate=0.5)
+    batch = _batch(family)
+    assert batch["loss_mask"].any()
+    identity = module.compute_loss(batch, drop_rate=0.0, seed=0)
+    assert identity.kl.abs() < 1e-6 and identity.realised_compute == 1.0
+    # Identity at init: no gradient signal (KL(p||p) is flat) ...
+    identity.loss.backward()
+    assert all(p.grad is None or p.grad.abs().max() < 1e-5 for p in module.adapter.parameters())
+    module.zero_grad()
+    # ... simulated skipping gives the routers something to learn.
+    skipped = module.compute_loss(batch, drop_rate=0.5, seed=1)
+    assert skipped.kl > 1e-5 and skipped.realised_compute < 1.0
+    assert all(0.0 < v < 1.0 for v in skipped.realised_keep.values())
+    assert all(abs(v - 0.5) < 1e-6 for v in skipped.expected_keep.values())
+    skipped.loss.backward()
+    assert any(p.grad is not None and p.grad.abs().max() > 0 for p in module.adapter.parameters())
+    # Logits only where some row trains: the same loss as with full logits.
+    module.hparams.select_logits = False
+    full = module.compute_loss(batch, drop_rate=0.5, seed=1)
+    torch.testing.assert_close(full.kl, skipped.kl, atol=1e-6, rtol=1e-5)
+
+
+def test_teacher_is_the_base_model_without_inference_tensors():
+    module = RetrofitModule(backbone="tiny:qwen2_vl")
+    _randomise_routers(module.adapter)
+    base, _ = tiny_vlm("qwen2_vl")
+    batch = _batch("qwen2_vl")
+    inputs, _ = module.model_inputs(batch)
+    with module.teacher():
+        teacher = module.model(**inputs).logits
+    with torch.no_grad():
+        reference = base(**inputs).logits
+        student = module.model(**inputs).logits
+    assert not teacher.requires_grad and not teacher.is_inference()
+    torch.testing.assert_close(teacher, reference, atol=1e-5, rtol=0)
+    assert (student - reference).abs().max() > 1e-3  # the routers really change the student
+
+
+def test_skip_simulation_is_the_cached_inference_function():
+    """Invariant 2 for training: the student forward under SkipSimulation equals the no-cache reference with the
+    same per-token pattern AND prefill + token-by-token decoding with the KV cache (kv-only fill)."""
+    module = RetrofitModule(backbone="tiny:llama", router={"skip_gate": True}, backbone_kwargs={"num_hidden_layers": 6})
+    adapter, model = module.adapter, module.model
+    _randomise_routers(adapter)
+    tokenizer = module.processor
+    ids = tokenizer(["The quick brown fox jumps over the lazy dog. A small red ball rolls across the grass."],
+                    return_tensors="pt")["input_ids"]
+    T = ids.shape[1]
+    sim = module.simulation(drop_rate=0.3, seed=7)
+    masks, ran = {}, sim.ran
+
+    def recording_ran(block):
+        mask = ran(block)
+        if mask is not None:
+            masks[block] = ~mask
+        return mask
+
+    sim.ran = recording_ran
+    with sim:
+        student = model(input_ids=ids).logits
+    skips = torch.stack(list(masks.values()))
+    assert set(masks) == set(adapter.layout.skippable_blocks) and 0 < skips.float().mean() < 1
+    assert student.requires_grad
+
+    window = {"cols": slice(0, T)}
+    policy = PatternPolicy(lambda block, state: masks[block][:, window["cols"]])
+    with torch.no_grad():
+        with SkipController(adapter, policy):
+            reference = model(input_ids=ids, use_cache=False).logits
+        torch.testing.assert_close(student.detach(), reference, atol=1e-5, rtol=0)
+        prefill = T // 2
+        with SkipController(adapter, policy) as report:
+            window["cols"] = slice(0, prefill)
+            out = model(input_ids=ids[:, :prefill], use_cache=True)
+            cache, pieces = out.past_key_values, [out.logits]
+            for t in range(prefill, T):
+                window["cols"] = slice(t, t + 1)
+                out = model(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True)
+                pieces.append(out.logits)
+        cached = torch.cat(pieces, 1)
+    assert report.layer_calls["kv_only"] > 0  # whole-token skips took the kv-only path
+    torch.testing.assert_close(cached, student.detach(), atol=1e-4, rtol=0)
+
+
+def test_gate_gradient_pulls_expected_compute_toward_target():
+    module = RetrofitModule(backbone="tiny:qwen2_vl", router={"skip_gate": True}, compute_target=0.5,
+                            compute_weight=1.0, max_drop_rate=0.0)
+    out = module.compute_loss(_batch("qwen2_vl"), drop_rate=0.0, seed=0)
+    assert out.expected_compute > 0.5 and out.penalty > 0
+    out.loss.backward()
+    for gate in module.adapter.gates.values():
+        assert gate.bias.grad > 0  # lowering the run probability lowers the penalty
+
+
+# --------------------------------------------------------------------------- training loop
+def test_few_steps_train_only_the_routers_and_log_everything():
+    module = RetrofitModule(backbone="tiny:qwen2_vl", max_drop_rate=0.5, drop_warmup_steps=0, lr=1e-2, warmup_steps=1)
+    dm = FixedBatchDataModule(processor="tiny:qwen2_vl", num_batches=3, val_batches=0, batch_size=2)
+    frozen = {k: v.clone() for k, v in module.model.state_dict().items()}
+    routers = {k: v.clone() for k, v in module.adapter.state_dict().items()}
+    logged = []
+
+    class Capture(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            logged.append({k: float(v) for k, v in trainer.callback_metrics.items()})
+
+    _trainer(3, callbacks=[Capture()]).fit(module, dm)
+    assert all(torch.equal(v, module.model.state_dict()[k]) for k, v in frozen.items())
+    changed = [k for k, v in module.adapter.state_dict().items() if not torch.equal(v, routers[k])]
+    assert any(k.endswith("query") for k in changed)
+    assert not module.model.training  # the backbone stays in eval mode (no dropout in student or teacher)
+    assert len(logged) == 3
+    last = logged[-1]
+    skippable = module.adapter.layout.skippable_blocks
+    required = {"train/loss", "train/kl", "train/lr", "train/keep_expected", "train/keep_realised",
+                "train/router_entropy", "train/compute_expected", "train/compute_realised", "train/drop_rate",
+                "train/nonfinite_steps"}
+    required |= {f"train/keep_expected/b{b}" for b in skippable} | {f"train/keep_realised/b{b}" for b in skippable}
+    required |= {f"train/router_entropy/{k}" for k in module.adapter.routers}
+    assert required <= set(last)
+    assert last["train/drop_rate"] == 0.5 and last["train/keep_expected"] == 0.5
+    assert 0 < last["train/lr"] <= 1e-2 and last["train/router_entropy"] > 0
+
+
+def test_optimizer_covers_trainable_parameters_only():
+    module = RetrofitModule(backbone="tiny:llama", router={"skip_gate": True}, weight_decay=0.1,
+                            lora={"r": 2, "lora_alpha": 4, "target_modules": ["q_proj", "v_proj"]})
+    trainable = [p for p in module.parameters() if p.requires_grad]
+    optimizer = module.configure_optimizers()["optimizer"]
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    assert len(params) == len(trainable) and {id(p) for p in params} == {id(p) for p in trainable}
+    names = {n for n, p in module.named_parameters() if p.requires_grad}
+    assert any("lora_" in n for n in names) and any(n.startswith("adapter.gates") for n in names)
+    no_decay = {id(p) for g in parameter_groups(module.named_parameters(), 0.1) if g["weight_decay"] == 0
+                for p in g["params"]}
+    for name, param in module.named_parameters():
+        if param.requires_grad and name.endswith(("key_norm_weight", "norm_weight", ".bias")):
+            assert id(param) in no_decay, name
+
+
+def test_lora_healing_teacher_is_the_plain_base():
+    module = RetrofitModule(backbone="tiny:llama",
+                            lora={"r": 2, "lora_alpha": 4, "target_modules": ["q_proj", "v_proj"],
+                                  "init_lora_weights": False})
+    base, _ = tiny_vlm("llama")
+    batch = _batch("llama")
+    inputs, _ = module.model_inputs(batch)
+    with module.teacher():
+        teacher = module.model(**inputs).logits
+    with torch.no_grad():
+        torch.testing.assert_close(teacher, base(**inputs).logits, atol=1e-5, rtol=0)
+        assert (module.model(**inputs).logits - teacher).abs().max() > 1e-4  # the student has LoRA on
+    ckpt = {"state_dict": module.state_dict()}
+    module.on_save_checkpoint(ckpt)
+    assert set(ckpt["state_dict"]) == module.trainable_keys()
+    assert all(k.startswith("adapter.") or "lora_" in k for k in ckpt["state_dict"])
+
+
+class _NaNAt(RetrofitModule):
+    """Loss is NaN at the listed optimizer steps (all steps when `nan_steps` is None)."""
+
+    nan_steps: set | None = set()
+
+    def compute_loss(self, batch, *, drop_rate, seed):
+        out = super().compute_loss(batch, drop_rate=drop_rate, seed=seed)
+        if self.nan_steps is None or self.global_step in self.nan_steps:
+            out.loss = out.loss * float("nan")
+        return out
+
+
+def test_nonfinite_step_is_skipped_and_counted():
+    module = _NaNAt(backbone="tiny:qwen2_vl", max_drop_rate=0.5, drop_warmup_steps=0)
+    module.nan_steps = {1}
+    dm = FixedBatchDataModule(processor="tiny:qwen2_vl", num_batches=4, val_batches=0, batch_size=2)
+    snapshots = []
+
+    class Snap(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            snapshots.append({k: v.clone() for k, v in pl_module.adapter.state_dict().items()})
+
+    with pytest.warns(RuntimeWarning, match="non-finite loss"):
+        trainer = _trainer(4, callbacks=[Snap()])
+        trainer.fit(module, dm)
+    assert trainer.global_step == 4 and module.nonfinite_steps == 1 and module.stop_reason is None
+    assert all(torch.isfinite(v).all() for v in module.adapter.state_dict().values())
+    # The NaN step (the second batch) left the routers as they were; the others moved them.
+    assert all(torch.equal(snapshots[1][k], snapshots[0][k]) for k in snapshots[0])
+    assert any(not torch.equal(snapshots[2][k], snapshots[1][k]) for k in snapshots[1])
+
+
+def test_nonfinite_streak_stops_training_with_a_message():
+    module = _NaNAt(backbone="tiny:qwen2_vl", max_nonfinite_steps=3)
+    module.nan_steps = None
+    dm = FixedBatchDataModule(processor="tiny:qwen2_vl", num_batches=2, val_batches=0, batch_size=2)
+    trainer = _trainer(20)
+    with pytest.warns(RuntimeWarning, match="non-finite"):
+        trainer.fit(module, dm)
+    assert module.nonfinite_steps == 3 and trainer.global_step == 3
+    assert "non-finite 3 steps in a row" in module.stop_reason

@@ -1,0 +1,76 @@
+"""Loading the frozen backbone and its processor: a HF hub id / local folder, or `tiny:<family>` (offline tests)."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import torch
+from torch import nn
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_dtype(name: str | None) -> torch.dtype | str | None:
+    """`None` (library default), `"auto"` (the checkpoint's dtype) or a name in `DTYPES`."""
+    if name is None or name == "auto":
+        return name
+    if name not in DTYPES:
+        raise ValueError(f"torch_dtype must be one of {sorted(DTYPES)}, 'auto' or null, got {name!r}")
+    return DTYPES[name]
+
+
+def _import(path: str) -> Any:
+    import transformers
+
+    if "." not in path:
+        return getattr(transformers, path)
+    module, _, attr = path.rpartition(".")
+    return getattr(importlib.import_module(module), attr)
+
+
+def load_backbone(name: str, *, trust_remote_code: bool = False, torch_dtype: str | None = None,
+                  attn_implementation: str | None = None, model_class: str | None = None,
+                  kwargs: dict[str, Any] | None = None) -> tuple[nn.Module, Any]:
+    """Return `(model, processor)` for `name`, the model in eval mode.
+
+    * `tiny:<family>`: `vlm_retrofit.testing.tiny_vlm(family, **kwargs)` (kwargs = text-config overrides,
+      e.g. `num_hidden_layers`), built offline with deterministic weights.
+    * anything else: a hub id or local folder. The class is `model_class` if given (a `transformers` class
+      name or a dotted path), else `AutoModelForImageTextToText`, falling back to `AutoModelForCausalLM` for
+      text-only LMs. Remote code runs only with `trust_remote_code=True`. The processor is `AutoProcessor`
+      (or `AutoTokenizer` for text-only models). `kwargs` go to `from_pretrained` (e.g. `revision`).
+    """
+    kwargs = dict(kwargs or {})
+    dtype = resolve_dtype(torch_dtype)
+    if name.startswith("tiny:"):
+        from ..testing import tiny_vlm
+
+        model, processor = tiny_vlm(name.split(":", 1)[1], **kwargs)
+        if isinstance(dtype, torch.dtype):
+            model.to(dtype)
+        return model.eval(), processor
+
+    import transformers
+
+    load_kw: dict[str, Any] = dict(trust_remote_code=trust_remote_code, **kwargs)
+    if dtype is not None:
+        load_kw["dtype"] = dtype
+    if attn_implementation:
+        load_kw["attn_implementation"] = attn_implementation
+    if model_class:
+        model = _import(model_class).from_pretrained(name, **load_kw)
+    else:
+        config = transformers.AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code,
+                                                         **{k: v for k, v in kwargs.items() if k == "revision"})
+        try:
+            model = transformers.AutoModelForImageTextToText.from_pretrained(name, config=config, **load_kw)
+        except ValueError:
+            model = transformers.AutoModelForCausalLM.from_pretrained(name, config=config, **load_kw)
+    proc_kw = dict(trust_remote_code=trust_remote_code, **{k: v for k, v in kwargs.items() if k == "revision"})
+    try:
+        processor = transformers.AutoProcessor.from_pretrained(name, **proc_kw)
+    except (OSError, ValueError, KeyError, TypeError):
+        processor = transformers.AutoTokenizer.from_pretrained(name, **proc_kw)
+    return model.eval(), processor

@@ -1,0 +1,18 @@
+"""Distillation training of the depth routers: RetrofitModule (Lightning), losses, optimizer, checkpoints."""
+
+from .checkpoint import RetrofitCheckpoint
+from .data import FixedBatchDataModule
+from .losses import compute_penalty, distillation_kl, drop_rate_at, routing_entropy
+from .module import CHECKPOINT_KEY, RetrofitModule, inspect_checkpoint
+
+__all__ = [
+    "CHECKPOINT_KEY",
+    "FixedBatchDataModule",
+    "RetrofitCheckpoint",
+    "RetrofitModule",
+    "compute_penalty",
+    "distillation_kl",
+    "drop_rate_at",
+    "inspect_checkpoint",
+    "routing_entropy",
+]

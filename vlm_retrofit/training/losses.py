@@ -1,0 +1,74 @@
+"""Distillation losses: KL(teacher || student) on masked positions, the compute penalty, router entropy."""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+PENALTIES = ("hinge", "squared")
+
+
+def distillation_kl(student_logits: Tensor, teacher_logits: Tensor, mask: Tensor | None = None,
+                    temperature: float = 1.0) -> Tensor:
+    """Mean over the selected positions of `T^2 * KL(softmax(t/T) || softmax(s/T))`, computed in fp32.
+
+    `student_logits` and `teacher_logits` are [..., V] with the same leading shape; `mask` (bool, that leading
+    shape) selects the positions that count (None = all). With no selected position the result is a zero that
+    still depends on the student (so backward works and does nothing).
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if mask is not None:
+        student_logits, teacher_logits = student_logits[mask], teacher_logits[mask]
+    student = student_logits.reshape(-1, student_logits.shape[-1]).float()
+    teacher = teacher_logits.reshape(-1, teacher_logits.shape[-1]).float()
+    if student.shape[0] == 0:
+        return student.sum() * 0.0
+    log_student = F.log_softmax(student / temperature, dim=-1)
+    log_teacher = F.log_softmax(teacher / temperature, dim=-1)
+    # sum_v p_t (log p_t - log p_s); kl_div(input=log q, target=log p, log_target=True) computes exactly that.
+    kl = F.kl_div(log_student, log_teacher, reduction="none", log_target=True).sum(-1)
+    return kl.mean() * (temperature ** 2)
+
+
+def compute_penalty(expected_compute: Tensor, target: float | None, weight: float, kind: str = "hinge") -> Tensor:
+    """Pull the expected executed fraction of decoder-block compute toward `target`.
+
+    `hinge`: `weight * relu(expected - target)` (only penalises running too much); `squared`:
+    `weight * (expected - target)^2`. `target=None` or `weight=0` gives 0.
+    """
+    if kind not in PENALTIES:
+        raise ValueError(f"compute penalty must be one of {PENALTIES}, got {kind!r}")
+    expected = torch.as_tensor(expected_compute, dtype=torch.float32)
+    if target is None or weight == 0:
+        return expected.new_zeros(()) * 0.0
+    gap = expected.float() - float(target)
+    value = torch.relu(gap) if kind == "hinge" else gap.square()
+    return value * float(weight)
+
+
+def routing_entropy(alpha: Tensor, valid: Tensor | None = None) -> Tensor:
+    """Mean entropy (nats) of routing weights `alpha` [K, B, T] (softmax over dim 0) over the valid tokens [B, T]."""
+    alpha = alpha.detach().float()
+    entropy = -torch.special.xlogy(alpha, alpha).sum(0)  # absent sources have alpha 0 and add nothing
+    if valid is not None:
+        valid = valid.to(entropy.device).bool()
+        if valid.shape != entropy.shape:
+            return entropy.mean()
+        return entropy[valid].mean() if bool(valid.any()) else entropy.new_zeros(())
+    return entropy.mean()
+
+
+def routing_entropies(alphas: Mapping[str, Tensor], valid: Tensor | None = None) -> dict[str, Tensor]:
+    """`routing_entropy` of every router in `alphas` (e.g. `adapter.last_routing_weights`)."""
+    return {key: routing_entropy(alpha, valid) for key, alpha in alphas.items()}
+
+
+def drop_rate_at(step: int, max_drop_rate: float, warmup_steps: int) -> float:
+    """Drop-rate curriculum: a linear ramp from 0 to `max_drop_rate` over `warmup_steps`, then constant."""
+    if warmup_steps <= 0:
+        return float(max_drop_rate)
+    return float(max_drop_rate) * min(1.0, max(0, step) / warmup_steps)

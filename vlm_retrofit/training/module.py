@@ -1,0 +1,471 @@
+"""RetrofitModule: distil a frozen backbone into itself through depth routers, under simulated block skipping."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Literal, Mapping
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities import rank_zero_warn
+from torch import Tensor
+
+from ..routing import AdapterMismatchError, RouterConfig, attach_routers, check_fingerprint
+from ..backbones.loading import load_backbone
+from .losses import PENALTIES, compute_penalty, distillation_kl, drop_rate_at, routing_entropies
+from .optim import SCHEDULES, build_optimizer, lr_lambda
+
+log = logging.getLogger("vlm_retrofit.training")
+
+#: Key of the vlm_retrofit section in a Lightning checkpoint dict.
+CHECKPOINT_KEY = "vlm_retrofit"
+CHECKPOINT_FORMAT = 1
+#: Batch entries that are not model-forward keywords (the datamodule's bookkeeping).
+META_KEYS = frozenset({"loss_mask", "skipped", "skipped_shards", "num_samples", "labels"})
+
+
+def _router_config(router: RouterConfig | Mapping[str, Any] | None) -> RouterConfig:
+    if router is None:
+        return RouterConfig()
+    if isinstance(router, RouterConfig):
+        return dataclasses.replace(router)  # a copy: the default instance is shared between calls
+    if isinstance(router, Mapping):
+        return RouterConfig.from_dict(dict(router))
+    # jsonargparse may hand over a Namespace for a dataclass-typed argument
+    if hasattr(router, "as_dict"):
+        return RouterConfig.from_dict(router.as_dict())
+    raise TypeError(f"router must be a RouterConfig or a dict of its fields, got {type(router).__name__}")
+
+
+def _skip_simulation_class():
+    try:
+        from ..skipping import SkipSimulation
+    except ImportError:  # the skipping package predates SkipSimulation
+        return None
+    return SkipSimulation
+
+
+@dataclass
+class StepOutput:
+    """Everything one distillation forward produced (loss and what is logged)."""
+
+    loss: Tensor
+    kl: Tensor
+    penalty: Tensor
+    expected_compute: Tensor
+    realised_compute: float
+    expected_keep: dict[int, float] = field(default_factory=dict)
+    realised_keep: dict[int, float] = field(default_factory=dict)
+    entropy: dict[str, float] = field(default_factory=dict)
+    tokens: int = 0
+    batch_size: int = 0
+
+
+class RetrofitModule(pl.LightningModule):
+    """Depth routers retrofitted into a frozen VLM language backbone, trained by self-distillation.
+
+    The student is the backbone with routers (and optionally LoRA) under simulated per-token block skipping;
+    the teacher is the same weights with routers, LoRA and skipping disabled, run under `torch.no_grad()`
+    (one copy of the weights). Loss = T^2 * KL(teacher || student) on the datamodule's `loss_mask` positions
+    + a penalty pulling the expected executed fraction of decoder-block compute toward `compute_target`.
+    Only trainable parameters (routers, gates, LoRA) are optimised and checkpointed.
+    """
+
+    def __init__(
+        self,
+        backbone: str = "tiny:qwen2_vl",
+        router: RouterConfig = RouterConfig(),  # noqa: B008 - read-only default, shown in --help
+        lora: dict[str, Any] | None = None,
+        trust_remote_code: bool = False,
+        torch_dtype: str | None = None,
+        attn_implementation: str | None = None,
+        model_class: str | None = None,
+        backbone_kwargs: dict[str, Any] | None = None,
+        temperature: float = 1.0,
+        max_drop_rate: float = 0.25,
+        drop_warmup_steps: int = 20,
+        use_gates: bool = True,
+        skip_budget: float | None = None,
+        compute_target: float | None = None,
+        compute_weight: float = 10.0,
+        compute_penalty: Literal["hinge", "squared"] = "squared",
+        optimizer: str = "AdamW",
+        lr: float = 1e-2,
+        weight_decay: float = 0.0,
+        optimizer_kwargs: dict[str, Any] | None = None,
+        scheduler: Literal["cosine", "linear", "constant"] = "cosine",
+        warmup_steps: int = 5,
+        min_lr_ratio: float = 0.1,
+        total_steps: int | None = None,
+        max_nonfinite_steps: int = 5,
+        seed: int = 0,
+        select_logits: bool = True,
+        log_per_block: bool = True,
+    ) -> None:
+        """
+        Args:
+            backbone: HF hub id or local folder of the VLM (loaded with `from_pretrained`), or `tiny:<family>`
+                for an offline tiny model (`vlm_retrofit.testing.FAMILIES`). Real ids need the weights on disk
+                or a hub download.
+            router: depth-router settings (`vlm_retrofit.RouterConfig`: block_size, skippable / never-skip
+                blocks, skip_gate, ...). Default: per-layer routing, first and last block never skipped.
+            lora: optional `peft.LoraConfig` fields (e.g. `{r: 8, lora_alpha: 16, target_modules: [q_proj,
+                v_proj]}`) for LoRA "healing" trained alongside the routers; null = routers only.
+            trust_remote_code: allow the backbone's own modelling code from the hub (off unless set explicitly).
+            torch_dtype: dtype of the frozen weights: float32, bfloat16, float16, auto (checkpoint's) or null
+                (library default). Routers always keep fp32 parameters.
+            attn_implementation: attention kernel passed to `from_pretrained` (eager, sdpa, flash_attention_2).
+            model_class: transformers class name or dotted path to load the backbone with (default:
+                AutoModelForImageTextToText, then AutoModelForCausalLM).
+            backbone_kwargs: extra `from_pretrained` keywords (e.g. revision); for `tiny:` backbones text-config
+                overrides such as `num_hidden_layers`.
+            temperature: distillation temperature T (the KL is scaled by T^2).
+            max_drop_rate: per-token probability of skipping each skippable block, reached after the ramp.
+            drop_warmup_steps: optimizer steps of the linear drop-rate ramp from 0 to `max_drop_rate`.
+            use_gates: sample run/skip from the learned gates (straight-through) when the router config has
+                `skip_gate: true`.
+            skip_budget: per-token cap on skipped blocks in simulation (an int count or a fraction of the
+                skippable blocks); null = no cap.
+            compute_target: target expected executed fraction of decoder-block compute (e.g. 0.8); null = no
+                compute penalty.
+            compute_weight: weight of the compute penalty.
+            compute_penalty: `squared` = weight * (expected - target)^2 (holds compute at the target);
+                `hinge` = weight * relu(expected - target) (only penalises running more than the target).
+            optimizer: `torch.optim` class name (or dotted path) used on the trainable parameters only.
+            lr: peak learning rate.
+            weight_decay: decoupled weight decay on router queries / gate queries / LoRA matrices (norm gains
+                and biases are never decayed).
+            optimizer_kwargs: further optimizer keywords (e.g. `{betas: [0.9, 0.95]}`).
+            scheduler: learning-rate shape after warmup: cosine, linear (both decay to `min_lr_ratio` * lr at
+                `total_steps`) or constant.
+            warmup_steps: linear learning-rate warmup in optimizer steps.
+            min_lr_ratio: final learning rate as a fraction of `lr`.
+            total_steps: length of the decay; null = the trainer's estimate (`max_steps`), constant if unknown.
+            max_nonfinite_steps: a step with a non-finite loss is skipped (warned and counted); after this many
+                in a row training stops with an error message.
+            seed: seed of the skip sampling; the masks of a step depend only on (seed, step, rank), so a resumed
+                run draws exactly what an uninterrupted one would.
+            select_logits: compute logits only at sequence positions some row trains on (saves memory with
+                large vocabularies); off = full logits.
+            log_per_block: also log keep ratios per block and routing entropy per router.
+        """
+        super().__init__()
+        router_cfg = _router_config(router)
+        if compute_penalty not in PENALTIES:
+            raise ValueError(f"compute_penalty must be one of {PENALTIES}, got {compute_penalty!r}")
+        if scheduler not in SCHEDULES:
+            raise ValueError(f"scheduler must be one of {SCHEDULES}, got {scheduler!r}")
+        if not 0.0 <= max_drop_rate < 1.0:
+            raise ValueError(f"max_drop_rate must be in [0, 1), got {max_drop_rate}")
+        if max_nonfinite_steps < 1:
+            raise ValueError(f"max_nonfinite_steps must be >= 1, got {max_nonfinite_steps}")
+        self.save_hyperparameters(ignore=["router"])
+        self.hparams["router"] = router_cfg.to_dict()  # plain data: YAML- and pickle-friendly
+
+        model, processor = load_backbone(backbone, trust_remote_code=trust_remote_code, torch_dtype=torch_dtype,
+                                         attn_implementation=attn_implementation, model_class=model_class,
+                                         kwargs=backbone_kwargs)
+        model.requires_grad_(False)
+        if lora:
+            from peft import LoraConfig, get_peft_model
+
+            model = get_peft_model(model, LoraConfig(**dict(lora)))
+            model.eval()  # new LoRA layers start in train mode; the whole backbone runs in eval mode
+        self.model = model
+        self.processor = processor
+        self.adapter = attach_routers(model, router_cfg)
+        self.strict_loading = False  # checkpoints hold trainable state only; on_load_checkpoint checks it all
+        self.nonfinite_steps = 0
+        self.nonfinite_streak = 0
+        self.stop_reason: str | None = None
+        self._warned_no_sim = False
+
+    # ------------------------------------------------------------------ structure
+    @property
+    def router_config(self) -> RouterConfig:
+        return self.adapter.config
+
+    def train(self, mode: bool = True) -> "RetrofitModule":
+        """Switch the routers' mode; the frozen backbone always stays in eval mode (no dropout), because the
+        student and the teacher must compute the same function apart from routing and skipping."""
+        super().train(mode)
+        self.model.eval()
+        return self
+
+    def trainable_keys(self) -> set[str]:
+        """State-dict keys of the parameters that are trained and checkpointed."""
+        return {name for name, param in self.named_parameters() if param.requires_grad}
+
+    def trainable_state_dict(self) -> dict[str, Tensor]:
+        keys = self.trainable_keys()
+        return {k: v for k, v in self.state_dict().items() if k in keys}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False):
+        """Load a (trainable-only) state dict: frozen backbone keys may be absent, since the backbone comes
+        from `backbone`. With `strict`, every trainable key must be present and no unknown key may appear."""
+        result = super().load_state_dict(state_dict, strict=False, assign=assign)
+        trainable = self.trainable_keys()
+        missing = [k for k in result.missing_keys if k in trainable]
+        if strict and (missing or result.unexpected_keys):
+            raise RuntimeError(f"state dict does not match the trainable parameters: missing {missing}, "
+                               f"unexpected {list(result.unexpected_keys)}")
+        return type(result)(missing, list(result.unexpected_keys))
+
+    @contextlib.contextmanager
+    def teacher(self) -> Iterator[None]:
+        """The distillation teacher: routers, LoRA and skipping off, no autograd graph (not inference mode)."""
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(torch.no_grad())
+            stack.enter_context(self.adapter.disabled())
+            if self.hparams.lora:
+                stack.enter_context(self.model.disable_adapter())
+            yield
+
+    def save_adapter(self, directory: str | Path) -> Path:
+        """Write the routers as `adapter_config.json` + `adapter_model.safetensors` (and LoRA under `lora/`)."""
+        directory = Path(directory)
+        self.adapter.save_pretrained(directory)
+        if self.hparams.lora:
+            self.model.save_pretrained(directory / "lora")
+        return directory
+
+    # ------------------------------------------------------------------ the loss
+    def model_inputs(self, batch: Mapping[str, Any]) -> tuple[dict[str, Any], Tensor]:
+        """Split a datamodule batch into forward keywords and the loss mask [B, T] (aligned with the logits)."""
+        if "loss_mask" not in batch:
+            raise KeyError("batch has no 'loss_mask': the datamodule must mark the positions to distil on")
+        inputs = {k: v for k, v in batch.items() if k not in META_KEYS}
+        return inputs, batch["loss_mask"].bool()
+
+    def current_drop_rate(self) -> float:
+        return drop_rate_at(self.global_step, self.hparams.max_drop_rate, self.hparams.drop_warmup_steps)
+
+    def _step_seed(self, step: int, stage: int) -> int:
+        rank = self.global_rank if self._trainer is not None else 0
+        return (int(self.hparams.seed) * 1_000_003 + step * 7_919 + rank * 104_729 + stage * 15_485_863) % (2 ** 62)
+
+    def simulation(self, drop_rate: float, seed: int):
+        """A `vlm_retrofit.skipping.SkipSimulation` for one student forward (None when nothing can skip)."""
+        gates = bool(self.hparams.use_gates and self.adapter.config.skip_gate)
+        if not self.adapter.layout.skippable_blocks:
+            return None
+        cls = _skip_simulation_class()
+        if cls is None:
+            if drop_rate > 0 or gates:
+                raise RuntimeError("skip simulation needs vlm_retrofit.skipping.SkipSimulation, which this "
+                                   "installation lacks; set max_drop_rate: 0 and use_gates: false to train without it")
+            return None
+        generator = torch.Generator().manual_seed(seed)  # CPU: the same masks on any device
+        return cls(self.adapter, drop_rate=drop_rate, use_gates=gates, budget=self.hparams.skip_budget,
+                   generator=generator)
+
+    def _forward_logits(self, inputs: dict[str, Any], keep: Tensor | None) -> Tensor:
+        if keep is not None:
+            inputs = {**inputs, "logits_to_keep": keep}
+        return self.model(**inputs).logits
+
+    def compute_loss(self, batch: Mapping[str, Any], *, drop_rate: float, seed: int) -> StepOutput:
+        """Teacher and student forwards on `batch`; the student under simulated skipping at `drop_rate`."""
+        inputs, mask = self.model_inputs(batch)
+        keep = None
+        if self.hparams.select_logits:
+            columns = mask.any(0)
+            if bool(columns.any()) and not bool(columns.all()):
+                keep = columns.nonzero().squeeze(-1)
+                mask = mask[:, keep]
+        with self.teacher():
+            teacher_logits = self._forward_logits(inputs, keep)
+        sim = self.simulation(drop_rate, seed)
+        if sim is None:
+            student_logits = self._forward_logits(inputs, keep)
+        else:
+            with sim:
+                student_logits = self._forward_logits(inputs, keep)
+        kl = distillation_kl(student_logits, teacher_logits, mask, self.hparams.temperature)
+
+        layout = self.adapter.layout
+        skippable = layout.skippable_blocks
+        if sim is not None:
+            expected_compute = torch.as_tensor(sim.expected_compute(), device=kl.device, dtype=torch.float32)
+            expected_keep = {int(b): float(torch.as_tensor(v).detach()) for b, v in sim.expected_keep.items()}
+            realised_keep = {int(b): float(v) for b, v in sim.realised_keep.items()}
+        else:
+            expected_compute = kl.new_ones(())
+            expected_keep = {b: 1.0 for b in skippable}
+            realised_keep = {b: 1.0 for b in skippable}
+        ran_layers = layout.num_layers - sum(len(layout.layers_of_block(b)) for b in skippable)
+        ran_layers += sum(realised_keep.get(b, 1.0) * len(layout.layers_of_block(b)) for b in skippable)
+        penalty = compute_penalty(expected_compute, self.hparams.compute_target, self.hparams.compute_weight,
+                                  self.hparams.compute_penalty).to(kl.device)
+        entropy = {k: float(v) for k, v in
+                   routing_entropies(self.adapter.last_routing_weights, inputs.get("attention_mask")).items()}
+        return StepOutput(loss=kl + penalty, kl=kl, penalty=penalty, expected_compute=expected_compute,
+                          realised_compute=ran_layers / layout.num_layers, expected_keep=expected_keep,
+                          realised_keep=realised_keep, entropy=entropy, tokens=int(mask.sum()),
+                          batch_size=int(mask.shape[0]))
+
+    # ------------------------------------------------------------------ logging
+    def _log_step(self, prefix: str, out: StepOutput, on_step: bool, extra: dict[str, float] | None = None) -> None:
+        sync = not on_step
+        kw = dict(on_step=on_step, on_epoch=not on_step, batch_size=max(1, out.batch_size), sync_dist=sync)
+        self.log(f"{prefix}/loss", out.loss.detach(), prog_bar=True, **kw)
+        self.log(f"{prefix}/kl", out.kl.detach(), prog_bar=prefix != "train", **kw)
+        self.log(f"{prefix}/penalty", out.penalty.detach(), **kw)
+        self.log(f"{prefix}/compute_expected", out.expected_compute.detach().float(), **kw)
+        self.log(f"{prefix}/compute_realised", float(out.realised_compute), **kw)
+        keeps_e, keeps_r = list(out.expected_keep.values()), list(out.realised_keep.values())
+        if keeps_e:
+            self.log(f"{prefix}/keep_expected", sum(keeps_e) / len(keeps_e), **kw)
+            self.log(f"{prefix}/keep_realised", sum(keeps_r) / max(1, len(keeps_r)), prog_bar=True, **kw)
+        if out.entropy:
+            self.log(f"{prefix}/router_entropy", sum(out.entropy.values()) / len(out.entropy), **kw)
+        if self.hparams.log_per_block:
+            for block, value in out.expected_keep.items():
+                self.log(f"{prefix}/keep_expected/b{block}", value, **kw)
+            for block, value in out.realised_keep.items():
+                self.log(f"{prefix}/keep_realised/b{block}", value, **kw)
+            for key, value in out.entropy.items():
+                self.log(f"{prefix}/router_entropy/{key}", value, **kw)
+        for key, value in (extra or {}).items():
+            self.log(f"{prefix}/{key}", value, **kw)
+
+    def _current_lr(self) -> float:
+        try:
+            optimizer = self.optimizers(use_pl_optimizer=False)
+        except (RuntimeError, AttributeError):
+            return float("nan")
+        if isinstance(optimizer, list):
+            optimizer = optimizer[0] if optimizer else None
+        return float(optimizer.param_groups[0]["lr"]) if optimizer is not None else float("nan")
+
+    # ------------------------------------------------------------------ Lightning hooks
+    def training_step(self, batch: Mapping[str, Any], batch_idx: int) -> Tensor | None:
+        drop_rate = self.current_drop_rate()
+        out = self.compute_loss(batch, drop_rate=drop_rate, seed=self._step_seed(self.global_step, 0))
+        finite = bool(torch.isfinite(out.loss.detach()).item())
+        if self._trainer is not None:
+            finite = self.trainer.strategy.reduce_boolean_decision(finite, all=True)  # every rank skips together
+        if not finite:
+            return self._skip_nonfinite(out)
+        self.nonfinite_streak = 0
+        lr = self._current_lr()
+        self._log_step("train", out, on_step=True,
+                       extra={"drop_rate": drop_rate, "lr": lr, "nonfinite_steps": float(self.nonfinite_steps)})
+        return out.loss
+
+    def _skip_nonfinite(self, out: StepOutput) -> None:
+        self.nonfinite_steps += 1
+        self.nonfinite_streak += 1
+        limit = int(self.hparams.max_nonfinite_steps)
+        rank_zero_warn(f"step {self.global_step}: non-finite loss ({float(out.loss.detach()):.4g}, KL "
+                       f"{float(out.kl.detach()):.4g}); the update is skipped ({self.nonfinite_streak} in a row, "
+                       f"{self.nonfinite_steps} in total, limit {limit} in a row)", category=RuntimeWarning)
+        self.log("train/nonfinite_steps", float(self.nonfinite_steps), on_step=True, on_epoch=False, batch_size=1)
+        if self.nonfinite_streak >= limit:
+            self.stop_reason = (
+                f"training stopped: the loss was non-finite {self.nonfinite_streak} steps in a row (limit "
+                f"max_nonfinite_steps={limit}) at step {self.global_step}. Lower the learning rate or the drop "
+                "rate, check the data, or resume from an earlier checkpoint.")
+            log.error(self.stop_reason)
+            if self._trainer is not None:
+                self.trainer.should_stop = True
+        return None
+
+    def _eval_step(self, prefix: str, batch: Mapping[str, Any], batch_idx: int, dataloader_idx: int = 0) -> Tensor:
+        # Evaluation always at the full drop rate, with masks fixed per batch: comparable across the run.
+        out = self.compute_loss(batch, drop_rate=self.hparams.max_drop_rate,
+                                seed=self._step_seed(batch_idx, 1 + dataloader_idx))
+        self._log_step(prefix, out, on_step=False)
+        return out.loss
+
+    def validation_step(self, batch: Mapping[str, Any], batch_idx: int, dataloader_idx: int = 0) -> Tensor:
+        return self._eval_step("val", batch, batch_idx, dataloader_idx)
+
+    def test_step(self, batch: Mapping[str, Any], batch_idx: int, dataloader_idx: int = 0) -> Tensor:
+        return self._eval_step("test", batch, batch_idx, dataloader_idx)
+
+    def predict_step(self, batch: Mapping[str, Any], batch_idx: int, dataloader_idx: int = 0) -> dict[str, Any]:
+        out = self.compute_loss(batch, drop_rate=self.hparams.max_drop_rate, seed=self._step_seed(batch_idx, 9))
+        return {"kl": float(out.kl), "compute_realised": out.realised_compute, "keep_realised": out.realised_keep,
+                "tokens": out.tokens}
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        hp = self.hparams
+        optimizer = build_optimizer(self.named_parameters(), hp.optimizer, hp.lr, hp.weight_decay, hp.optimizer_kwargs)
+        total = hp.total_steps
+        if total is None and self._trainer is not None:
+            estimate = self.trainer.estimated_stepping_batches
+            total = int(estimate) if estimate is not None and math.isfinite(estimate) else None
+            if total is None and hp.scheduler != "constant":
+                rank_zero_warn("the number of training steps is unknown (set trainer.max_steps or "
+                               "model.total_steps): the learning rate stays constant after warmup")
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(hp.scheduler, hp.warmup_steps, total,
+                                                                           hp.min_lr_ratio))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1}}
+
+    # ------------------------------------------------------------------ checkpoints
+    def checkpoint_metadata(self) -> dict[str, Any]:
+        return {
+            "format_version": CHECKPOINT_FORMAT,
+            "backbone": self.hparams.backbone,
+            "base_fingerprint": dict(self.adapter.fingerprint),
+            "router_config": self.adapter.config.to_dict(),
+            "layout": self.adapter.layout.to_dict(),
+            "lora": self.hparams.lora,
+            "trainable_keys": sorted(self.trainable_keys()),
+            "nonfinite_steps": self.nonfinite_steps,
+            "nonfinite_streak": self.nonfinite_streak,
+        }
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        keys = self.trainable_keys()
+        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in keys}
+        checkpoint[CHECKPOINT_KEY] = self.checkpoint_metadata()
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        meta = checkpoint.get(CHECKPOINT_KEY)
+        if meta is None:
+            raise AdapterMismatchError("this checkpoint was not written by vlm_retrofit's RetrofitModule (it has no "
+                                       f"'{CHECKPOINT_KEY}' section); refusing to load it")
+        check_fingerprint(meta["base_fingerprint"], self.adapter.fingerprint,
+                          source=f"checkpoint for backbone {meta.get('backbone')!r}")
+        state = checkpoint.get("state_dict", {})
+        expected = {k: v for k, v in self.state_dict().items() if k in self.trainable_keys()}
+        missing = sorted(set(expected) - set(state))
+        unexpected = sorted(set(state) - set(expected))
+        shapes = sorted(k for k in set(expected) & set(state) if tuple(expected[k].shape) != tuple(state[k].shape))
+        if missing or unexpected or shapes:
+            saved_cfg, cfg = meta.get("router_config"), self.adapter.config.to_dict()
+            differs = {k: (saved_cfg.get(k), cfg.get(k)) for k in cfg if saved_cfg and saved_cfg.get(k) != cfg.get(k)}
+            raise AdapterMismatchError(
+                "checkpoint does not match this module's trainable parameters: "
+                f"missing {missing[:8]}{' ...' if len(missing) > 8 else ''} ({len(missing)}), "
+                f"unexpected {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''} ({len(unexpected)}), "
+                f"wrong shape {shapes[:8]}. Router config differences (saved, now): {differs or 'none'}; "
+                f"LoRA saved {meta.get('lora')!r}, now {self.hparams.lora!r}."
+            )
+        if meta.get("router_config") != self.adapter.config.to_dict():
+            rank_zero_warn(f"resuming with a different router config than the checkpoint's: saved "
+                           f"{meta.get('router_config')}, now {self.adapter.config.to_dict()}")
+        self.nonfinite_steps = int(meta.get("nonfinite_steps", 0))
+        self.nonfinite_streak = int(meta.get("nonfinite_streak", 0))
+
+
+def inspect_checkpoint(path: str | Path) -> dict[str, Any]:
+    """The vlm_retrofit section of a checkpoint plus its trainable tensor names, sizes and the file size."""
+    path = Path(path)
+    checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    meta = dict(checkpoint.get(CHECKPOINT_KEY) or {})
+    state = checkpoint.get("state_dict", {})
+    meta["tensors"] = {k: tuple(v.shape) for k, v in state.items()}
+    meta["parameters"] = int(sum(v.numel() for v in state.values()))
+    meta["global_step"] = checkpoint.get("global_step")
+    meta["file_bytes"] = path.stat().st_size
+    return meta
+
+

@@ -1,0 +1,71 @@
+"""Optimizer over trainable parameters only, and the warmup + cosine/linear/constant learning-rate schedule."""
+
+from __future__ import annotations
+
+import importlib
+import math
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import nn
+
+SCHEDULES = ("cosine", "linear", "constant")
+
+
+def optimizer_class(name: str) -> type[torch.optim.Optimizer]:
+    """`"AdamW"` (any class in `torch.optim`) or a dotted path such as `"bitsandbytes.optim.AdamW8bit"`."""
+    if "." not in name:
+        cls = getattr(torch.optim, name, None)
+        if cls is None:
+            raise ValueError(f"unknown optimizer {name!r}: not in torch.optim (give a dotted path for others)")
+        return cls
+    module, _, attr = name.rpartition(".")
+    return getattr(importlib.import_module(module), attr)
+
+
+def _decays(name: str, param: torch.Tensor) -> bool:
+    # Norm gains (init 1) and biases must not be pulled toward 0; router queries and LoRA matrices may be.
+    leaf = name.rsplit(".", 1)[-1]
+    return param.ndim > 0 and leaf not in ("bias", "key_norm_weight", "norm_weight") and not leaf.endswith("norm")
+
+
+def parameter_groups(named: Iterable[tuple[str, nn.Parameter]], weight_decay: float) -> list[dict[str, Any]]:
+    """Two groups of the parameters that require grad: with and without weight decay."""
+    decay, no_decay = [], []
+    for name, param in named:
+        if not param.requires_grad:
+            continue
+        (decay if _decays(name, param) else no_decay).append(param)
+    groups = []
+    if decay:
+        groups.append({"params": decay, "weight_decay": weight_decay})
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0})
+    if not groups:
+        raise ValueError("no trainable parameters: the router adapter (and LoRA, if any) should require grad")
+    return groups
+
+
+def build_optimizer(named: Iterable[tuple[str, nn.Parameter]], name: str = "AdamW", lr: float = 1e-3,
+                    weight_decay: float = 0.0, kwargs: dict[str, Any] | None = None) -> torch.optim.Optimizer:
+    return optimizer_class(name)(parameter_groups(named, weight_decay), lr=lr, **(kwargs or {}))
+
+
+def lr_lambda(schedule: str, warmup_steps: int, total_steps: int | None, min_lr_ratio: float) -> Callable[[int], float]:
+    """Multiplier of the base LR at optimizer step `step`: linear warmup, then cosine / linear decay to
+    `min_lr_ratio` at `total_steps` (constant when `total_steps` is None or the schedule is "constant")."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"scheduler must be one of {SCHEDULES}, got {schedule!r}")
+    if not 0.0 <= min_lr_ratio <= 1.0:
+        raise ValueError(f"min_lr_ratio must be in [0, 1], got {min_lr_ratio}")
+
+    def factor(step: int) -> float:
+        if warmup_steps > 0 and step < warmup_steps:
+            return (step + 1) / warmup_steps
+        if schedule == "constant" or not total_steps:
+            return 1.0
+        progress = min(1.0, max(0.0, (step - warmup_steps) / max(1, total_steps - warmup_steps)))
+        shape = 0.5 * (1.0 + math.cos(math.pi * progress)) if schedule == "cosine" else 1.0 - progress
+        return min_lr_ratio + (1.0 - min_lr_ratio) * shape
+
+    return factor
