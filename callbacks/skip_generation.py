@@ -38,6 +38,10 @@ def prompts_from_batch(batch: Mapping[str, Any], pad_token_id: int) -> dict[str,
     return prompts
 
 
+def _pad_id(tokenizer) -> int:
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
 class SkipAwareGenerationCallback(pl.Callback):
     """Generate on validation prompts with skipping and without it, and log the trade-off.
 
@@ -84,59 +88,18 @@ class SkipAwareGenerationCallback(pl.Callback):
             return
         model, adapter, processor = pl_module.model, pl_module.adapter, pl_module.processor
         tokenizer = getattr(processor, "tokenizer", processor)
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        prompts = [prompts_from_batch(b, pad) for b in self._batches]
+        prompts = [prompts_from_batch(b, _pad_id(tokenizer)) for b in self._batches]
         key = f"{self.target_saving:.4f}"
         settings = adapter.calibration.get(self.policy, {}).get(key)
         if settings is None:
             settings = calibrate(adapter, prompts, self.target_saving, self.policy, store=False).settings
-        base_out, skip_out, base_time, skip_time, reports = [], [], 0.0, 0.0, []
-        options = dict(max_new_tokens=self.max_new_tokens, do_sample=False, pad_token_id=pad)
-        with torch.no_grad():
-            for prompt in prompts:
-                start = time.perf_counter()
-                base_out.append(model.generate(**prompt, **options)[:, prompt["input_ids"].shape[1]:])
-                base_time += time.perf_counter() - start
-                start = time.perf_counter()
-                with adapter.skipping(self.policy, **settings) as report:
-                    skip_out.append(model.generate(**prompt, **options)[:, prompt["input_ids"].shape[1]:])
-                skip_time += time.perf_counter() - start
-                reports.append(report)
-        metrics = self._metrics(base_out, skip_out, base_time, skip_time, reports, tokenizer, pad)
+        metrics, report = compare_generation(model, adapter, prompts, self.policy, settings, tokenizer,
+                                             max_new_tokens=self.max_new_tokens)
         self.last_metrics = metrics
         pl_module.log_dict(metrics, rank_zero_only=True)
-        rates = SkipReport.merged(reports).skip_rates
+        rates = report.skip_rates
         self._plot(trainer, rates)
         self._print(trainer, metrics, rates)
-
-    @staticmethod
-    def _metrics(base_out, skip_out, base_time, skip_time, reports, tokenizer, pad) -> dict[str, float]:
-        from torchmetrics.functional.text.rouge import rouge_score
-
-        matches = total = 0
-        base_texts, skip_texts = [], []
-        for base, skip in zip(base_out, skip_out):
-            width = max(base.shape[1], skip.shape[1])
-            base = torch.nn.functional.pad(base, (0, width - base.shape[1]), value=pad)
-            skip = torch.nn.functional.pad(skip, (0, width - skip.shape[1]), value=pad)
-            matches += int((base == skip).sum())
-            total += base.numel()
-            base_texts += tokenizer.batch_decode(base, skip_special_tokens=True)
-            skip_texts += tokenizer.batch_decode(skip, skip_special_tokens=True)
-        rouge = rouge_score(skip_texts, base_texts, rouge_keys="rougeL")["rougeL_fmeasure"]
-        report = SkipReport.merged(reports)
-        generated = sum(o.numel() for o in base_out)
-        metrics = {
-            "skip/compute_saved": report.compute_saved,
-            "skip/skipped_layer_fraction": report.skipped_layer_fraction,
-            "skip/token_match": matches / total if total else 1.0,
-            "skip/rouge_l": float(rouge),
-            "skip/tokens_per_s": generated / skip_time if skip_time else 0.0,
-            "skip/base_tokens_per_s": generated / base_time if base_time else 0.0,
-        }
-        for block, rate in enumerate(report.skip_rates):
-            metrics[f"skip/block_{block}"] = rate
-        return metrics
 
     @rank_zero_only
     def _plot(self, trainer: pl.Trainer, rates: list[float]) -> None:
@@ -171,3 +134,48 @@ class SkipAwareGenerationCallback(pl.Callback):
         for name, value in rows:
             print(f"  {name:<{width}}  {value}")
 
+
+@torch.no_grad()
+def compare_generation(model, adapter, prompts: list[dict[str, Any]], policy: str, settings: Mapping[str, Any],
+                       tokenizer, *, max_new_tokens: int = 16) -> tuple[dict[str, float], SkipReport]:
+    """Greedy generation on each prompt batch without and with skipping; agreement, speed and compute.
+
+    Returns `skip/...` metrics (see SkipAwareGenerationCallback) and the merged SkipReport of the skipping runs.
+    """
+    from torchmetrics.functional.text.rouge import rouge_score
+
+    pad = _pad_id(tokenizer)
+    options = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
+    matches = total = generated = 0
+    base_time = skip_time = 0.0
+    base_texts, skip_texts, reports = [], [], []
+    for prompt in prompts:
+        start_len = prompt["input_ids"].shape[1]
+        start = time.perf_counter()
+        base = model.generate(**prompt, **options)[:, start_len:]
+        base_time += time.perf_counter() - start
+        start = time.perf_counter()
+        with adapter.skipping(policy, **settings) as report:
+            skip = model.generate(**prompt, **options)[:, start_len:]
+        skip_time += time.perf_counter() - start
+        reports.append(report)
+        width = max(base.shape[1], skip.shape[1])
+        base = torch.nn.functional.pad(base, (0, width - base.shape[1]), value=pad)
+        skip = torch.nn.functional.pad(skip, (0, width - skip.shape[1]), value=pad)
+        matches += int((base == skip).sum())
+        total += base.numel()
+        generated += base.numel()
+        base_texts += tokenizer.batch_decode(base, skip_special_tokens=True)
+        skip_texts += tokenizer.batch_decode(skip, skip_special_tokens=True)
+    report = SkipReport.merged(reports)
+    metrics = {
+        "skip/compute_saved": report.compute_saved,
+        "skip/skipped_layer_fraction": report.skipped_layer_fraction,
+        "skip/token_match": matches / total if total else 1.0,
+        "skip/rouge_l": float(rouge_score(skip_texts, base_texts, rouge_keys="rougeL")["rougeL_fmeasure"]),
+        "skip/tokens_per_s": generated / skip_time if skip_time else 0.0,
+        "skip/base_tokens_per_s": generated / base_time if base_time else 0.0,
+    }
+    for block, rate in enumerate(report.skip_rates):
+        metrics[f"skip/block_{block}"] = rate
+    return metrics, report

@@ -1,7 +1,9 @@
 """vlm_retrofit: retrofit depth routers into frozen vision-language models and skip blocks at generation time."""
 
 from .backbones import BackboneSpec, register_backbone
-from .routing import AdapterMismatchError, RouterAdapter, RouterConfig, attach_routers
+from .routing import AdapterMismatchError, RouterAdapter, RouterConfig, attach_routers, get_adapter
+from .release import load_release
+from .skipping import SkipReport, calibrate
 
 __version__ = "0.1.0"
 
@@ -21,6 +23,10 @@ __all__ = [
     "RouterAdapter",
     "RetrofitModule",
     "RouterConfig",
+    "SkipReport",
     "attach_routers",
+    "calibrate",
+    "get_adapter",
+    "load_release",
     "register_backbone",
 ]

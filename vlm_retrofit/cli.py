@@ -21,8 +21,8 @@ LIGHTNING_SUBCOMMANDS = ("fit", "validate", "test", "predict")
 # Subcommands implemented outside this file, imported only when used so `--help` stays fast.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "shards": ("vlm_retrofit.datamodules.shards", "main"),
-    "calibrate": ("vlm_retrofit.skipping.calibrate", "main"),
-    "generate": ("vlm_retrofit.generate", "main"),
+    "calibrate": ("vlm_retrofit.commands", "calibrate_main"),
+    "generate": ("vlm_retrofit.commands", "generate_main"),
     "merge": ("vlm_retrofit.release", "main"),
 }
 

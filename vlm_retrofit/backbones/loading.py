@@ -32,7 +32,7 @@ def _import(path: str) -> Any:
 
 def load_backbone(name: str, *, trust_remote_code: bool = False, torch_dtype: str | None = None,
                   attn_implementation: str | None = None, model_class: str | None = None,
-                  kwargs: dict[str, Any] | None = None) -> tuple[nn.Module, Any]:
+                  kwargs: dict[str, Any] | None = None, processor_from: str | None = None) -> tuple[nn.Module, Any]:
     """Return `(model, processor)` for `name`, the model in eval mode.
 
     * `tiny:<family>`: `vlm_retrofit.testing.tiny_vlm(family, **kwargs)` (kwargs = text-config overrides,
@@ -40,7 +40,8 @@ def load_backbone(name: str, *, trust_remote_code: bool = False, torch_dtype: st
     * anything else: a hub id or local folder. The class is `model_class` if given (a `transformers` class
       name or a dotted path), else `AutoModelForImageTextToText`, falling back to `AutoModelForCausalLM` for
       text-only LMs. Remote code runs only with `trust_remote_code=True`. The processor is `AutoProcessor`
-      (or `AutoTokenizer` for text-only models). `kwargs` go to `from_pretrained` (e.g. `revision`).
+      (or `AutoTokenizer` for text-only models), read from `processor_from` if given, else from `name`.
+      `kwargs` go to `from_pretrained` (e.g. `revision`).
     """
     kwargs = dict(kwargs or {})
     dtype = resolve_dtype(torch_dtype)
@@ -69,8 +70,9 @@ def load_backbone(name: str, *, trust_remote_code: bool = False, torch_dtype: st
         except ValueError:
             model = transformers.AutoModelForCausalLM.from_pretrained(name, config=config, **load_kw)
     proc_kw = dict(trust_remote_code=trust_remote_code, **{k: v for k, v in kwargs.items() if k == "revision"})
+    source = processor_from or name
     try:
-        processor = transformers.AutoProcessor.from_pretrained(name, **proc_kw)
+        processor = transformers.AutoProcessor.from_pretrained(source, **proc_kw)
     except (OSError, ValueError, KeyError, TypeError):
-        processor = transformers.AutoTokenizer.from_pretrained(name, **proc_kw)
+        processor = transformers.AutoTokenizer.from_pretrained(source, **proc_kw)
     return model.eval(), processor

@@ -104,6 +104,10 @@ class RouterAdapter(nn.Module):
         self._controller: Any = None
         self.calibration: dict[str, dict[str, dict[str, Any]]] = {}
         """Skip thresholds found by calibration: policy -> target saving -> policy settings."""
+        self.calibration_metrics: dict[str, dict[str, dict[str, float]]] = {}
+        """What calibration measured: policy -> target saving -> {achieved_saving, token_match, ...}."""
+        self.base_model: dict[str, Any] = {"name": getattr(unwrap_model(model), "name_or_path", None) or None}
+        """How to load the base again: keyword arguments of `vlm_retrofit.backbones.loading.load_backbone`."""
 
     # -- attach / detach -------------------------------------------------------------------------------
     @property
@@ -236,6 +240,8 @@ class RouterAdapter(nn.Module):
             "base_fingerprint": self.fingerprint,
             "layout": self.layout.to_dict(),
             "calibration": self.calibration,
+            "calibration_metrics": self.calibration_metrics,
+            "base_model": self.base_model,
         }
 
     def save_pretrained(self, directory: str | os.PathLike) -> Path:
@@ -266,6 +272,8 @@ class RouterAdapter(nn.Module):
             )
         adapter.load_state_dict(state)
         adapter.calibration = saved.get("calibration", {})
+        adapter.calibration_metrics = saved.get("calibration_metrics", {})
+        adapter.base_model = saved.get("base_model") or adapter.base_model
         return _finish_attach(model, adapter, freeze_base)
 
 

@@ -179,6 +179,9 @@ class RetrofitModule(pl.LightningModule):
         self.model = model
         self.processor = processor
         self.adapter = attach_routers(model, router_cfg)
+        self.adapter.base_model = {"name": backbone, "kwargs": dict(backbone_kwargs or {}), "torch_dtype": torch_dtype,
+                                   "attn_implementation": attn_implementation, "model_class": model_class,
+                                   "trust_remote_code": trust_remote_code}
         self.strict_loading = False  # checkpoints hold trainable state only; on_load_checkpoint checks it all
         self.nonfinite_steps = 0
         self.nonfinite_streak = 0

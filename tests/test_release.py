@@ -1,0 +1,145 @@
+"""Release: merge checkpoints and adapters, load without Lightning, verify, atomicity, idempotence, refusals."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from vlm_retrofit import AdapterMismatchError, get_adapter, load_release
+from vlm_retrofit.cli import main
+from vlm_retrofit.release import load_checkpoint, merge
+from vlm_retrofit.testing import tiny_inputs
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A short `fit` of routers + LoRA on tiny LLaVA: its checkpoint and exported adapter folder."""
+    run = tmp_path_factory.mktemp("run")
+    cwd = os.getcwd()
+    os.chdir(run)
+    try:
+        assert main(["fit", "--config", str(Path(__file__).parents[1] / "configs" / "tiny-llava-lora.yaml"),
+                     "--trainer.max_steps", "3", "--trainer.enable_progress_bar", "false",
+                     "--trainer.limit_val_batches", "0", "--data.num_workers", "0"]) == 0
+    finally:
+        os.chdir(cwd)
+    root = run / "runs" / "tiny-llava-lora"
+    return root / "checkpoints" / "last.ckpt", root / "adapter"
+
+
+def _logits(model, inputs):
+    with torch.no_grad():
+        return model(**inputs).logits
+
+
+def _files(directory):
+    return {p.relative_to(directory).as_posix(): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def test_release_reproduces_the_trained_model(trained, tmp_path):
+    checkpoint, _ = trained
+    source = load_checkpoint(checkpoint)
+    inputs = tiny_inputs(source.processor)
+    expected = _logits(source.model, inputs)
+    with torch.no_grad(), source.adapter.skipping("random", rate=0.5) as report:
+        expected_tokens = source.model.generate(**inputs, max_new_tokens=6, do_sample=False)
+    assert sum(report.block_skipped_tokens) > 0
+    source.adapter.detach()
+    assert (expected - _logits(source.model, inputs)).abs().max() > 1e-4  # the routers matter
+
+    merge(checkpoint, tmp_path / "release")
+    model, processor = load_release(tmp_path / "release")
+    torch.testing.assert_close(_logits(model, inputs), expected, atol=1e-5, rtol=0)
+    with torch.no_grad(), get_adapter(model).skipping("random", rate=0.5):
+        tokens = model.generate(**inputs, max_new_tokens=6, do_sample=False)
+    assert torch.equal(tokens, expected_tokens)
+    config = json.loads((tmp_path / "release" / "release_config.json").read_text())
+    assert config["lora"] == "adapter" and not config["full_weights"]
+    assert "Loading" in (tmp_path / "release" / "README.md").read_text()
+
+
+@pytest.mark.parametrize("options", [{"merge_lora": True}, {"full_weights": True}], ids=["merge-lora", "full-weights"])
+def test_merged_lora_equals_unmerged_lora(trained, tmp_path, options):
+    _, adapter_dir = trained
+    merge(adapter_dir, tmp_path / "lora", verify=False)
+    merge(adapter_dir, tmp_path / "merged", **options)
+    assert not (tmp_path / "merged" / "lora").exists()
+    unmerged, processor = load_release(tmp_path / "lora")
+    merged, _ = load_release(tmp_path / "merged")
+    inputs = tiny_inputs(processor)
+    torch.testing.assert_close(_logits(merged, inputs), _logits(unmerged, inputs), atol=1e-4, rtol=0)
+
+
+def test_merge_is_idempotent_byte_for_byte(trained, tmp_path):
+    checkpoint, _ = trained
+    merge(checkpoint, tmp_path / "a", full_weights=True)
+    merge(checkpoint, tmp_path / "b", full_weights=True)
+    first = _files(tmp_path / "a")
+    assert first == _files(tmp_path / "b")
+    merge(checkpoint, tmp_path / "a", full_weights=True)  # re-merging in place
+    assert _files(tmp_path / "a") == first
+
+
+def test_an_interrupted_merge_leaves_nothing(trained, tmp_path, monkeypatch):
+    checkpoint, _ = trained
+    from vlm_retrofit.routing import RouterAdapter
+
+    def crash(self, directory):
+        raise KeyboardInterrupt("interrupted while writing the router")
+
+    monkeypatch.setattr(RouterAdapter, "save_pretrained", crash)
+    with pytest.raises(KeyboardInterrupt):
+        merge(checkpoint, tmp_path / "release")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_checkpoint_for_another_base_is_refused_naming_both(trained, tmp_path, capsys):
+    checkpoint, _ = trained
+    with pytest.raises(AdapterMismatchError) as error:
+        merge(checkpoint, tmp_path / "release", base="tiny:qwen2_vl")
+    assert "tiny:llava" in str(error.value) and "tiny:qwen2_vl" in str(error.value)
+    assert not (tmp_path / "release").exists()
+    assert main(["merge", "--ckpt", str(checkpoint), "--output", str(tmp_path / "r"), "--base", "tiny:qwen2_vl"]) == 1
+    assert "merge refused" in capsys.readouterr().out and not (tmp_path / "r").exists()
+
+
+def test_load_release_does_not_import_lightning(trained, tmp_path):
+    checkpoint, _ = trained
+    merge(checkpoint, tmp_path / "release")
+    code = ("import sys, torch; from vlm_retrofit import load_release, get_adapter\n"
+            "from vlm_retrofit.testing import tiny_inputs\n"
+            f"model, processor = load_release({str(tmp_path / 'release')!r})\n"
+            "with torch.no_grad(), get_adapter(model).skipping('random', rate=0.3):\n"
+            "    model.generate(**tiny_inputs(processor), max_new_tokens=2)\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('lightning', 'pytorch_lightning')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_calibrate_merge_generate_commands(trained, tmp_path, capsys):
+    from PIL import Image
+
+    _, adapter_dir = trained
+    assert main(["calibrate", "--model", str(adapter_dir), "--target-saving", "0.2", "--batches", "2",
+                 "--output", str(tmp_path / "calibrated")]) == 0
+    assert "reached" in capsys.readouterr().out
+    saved = json.loads((tmp_path / "calibrated" / "adapter_config.json").read_text())
+    assert "0.2000" in saved["calibration"]["recent_weight"]
+    assert "token_match" in saved["calibration_metrics"]["recent_weight"]["0.2000"]
+    assert main(["merge", "--ckpt", str(tmp_path / "calibrated"), "--output", str(tmp_path / "release")]) == 0
+    assert "recent_weight | 0.20" in (tmp_path / "release" / "README.md").read_text()
+    Image.new("RGB", (40, 40), (250, 20, 20)).save(tmp_path / "red.png")
+    capsys.readouterr()
+    assert main(["generate", "--model", str(tmp_path / "release"), "--image", str(tmp_path / "red.png"),
+                 "--prompt", "What colour is it?", "--skip-policy", "recent_weight", "--target-saving", "0.2",
+                 "--max-new-tokens", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "[recent_weight] decoder-block compute saved" in out
+    assert main(["generate", "--model", str(tmp_path / "release"), "--prompt", "Hi", "--skip-policy", "recent_weight",
+                 "--target-saving", "0.9"]) == 1  # not calibrated for 0.9: refused with the way forward
+    assert "calibrate" in capsys.readouterr().out

@@ -1,0 +1,141 @@
+"""`python -m vlm_retrofit calibrate` and `generate`: skip thresholds for a trained adapter, and one answer with a report."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from itertools import islice
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .release import Loaded, load_trained
+from .skipping import POLICIES, SkipController, calibrate
+
+
+def _processor_name(loaded: Loaded, source: Path) -> str:
+    return str(source / "processor") if loaded.kind == "release" else loaded.base_model["name"]
+
+
+def _adapter_output(loaded: Loaded, source: Path, output: str | None) -> Path:
+    if output:
+        return Path(output)
+    if loaded.kind == "release":
+        return source / "router"
+    if loaded.kind == "adapter":
+        return source
+    return source.parent / f"{source.stem}-adapter"
+
+
+def calibrate_main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m vlm_retrofit calibrate",
+        description="Set per-block skip thresholds that reach target compute savings on calibration shards, "
+                    "measure agreement with unskipped generation, and store both with the adapter.")
+    parser.add_argument("--model", required=True, help="checkpoint (.ckpt), router adapter folder or release folder")
+    parser.add_argument("--base", default=None, help="base model, if not the one the adapter names")
+    parser.add_argument("--shards", default=None, help="calibration WebDataset shards (default: built-in synthetic val split)")
+    parser.add_argument("--target-saving", type=float, nargs="+", default=[0.25],
+                        help="fractions of decoder-layer executions to skip (one calibration each)")
+    parser.add_argument("--policy", default="recent_weight", choices=sorted(POLICIES))
+    parser.add_argument("--batches", type=int, default=4, help="calibration batches")
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--max-new-tokens", type=int, default=16, help="tokens generated to measure agreement")
+    parser.add_argument("--output", default=None, help="adapter folder to write (default: the adapter itself; "
+                                                       "for a checkpoint, <name>-adapter beside it)")
+    ns = parser.parse_args(argv)
+    from .callbacks import compare_generation, prompts_from_batch
+    from .datamodules import WebDatasetDataModule, model_inputs
+
+    source = Path(ns.model)
+    loaded = load_trained(source, ns.base)
+    data = WebDatasetDataModule(processor=_processor_name(loaded, source), train_shards=ns.shards,
+                                val_shards=ns.shards, batch_size=ns.batch_size, num_workers=0,
+                                add_quality_callback=False)
+    data.setup("validate")
+    batches = list(islice(iter(data.val_dataloader()), ns.batches))
+    if not batches:
+        print(f"calibrate: no calibration samples in {ns.shards or 'the synthetic val split'}")
+        return 1
+    tokenizer = getattr(loaded.processor, "tokenizer", loaded.processor)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    prompts = [prompts_from_batch(batch, pad) for batch in batches]
+    adapter = loaded.adapter
+    for target in ns.target_saving:
+        result = calibrate(adapter, [model_inputs(b) for b in batches], target, ns.policy)
+        metrics, report = compare_generation(loaded.model, adapter, prompts, ns.policy, result.settings, tokenizer,
+                                             max_new_tokens=ns.max_new_tokens)
+        adapter.calibration_metrics.setdefault(ns.policy, {})[f"{target:.4f}"] = {
+            "achieved_saving": result.achieved_saving,
+            "generation_compute_saved": metrics["skip/compute_saved"],
+            "token_match": metrics["skip/token_match"],
+            "rouge_l": metrics["skip/rouge_l"],
+        }
+        print(f"{result.summary()}; generating: compute saved {100 * metrics['skip/compute_saved']:.1f} %, "
+              f"token match {100 * metrics['skip/token_match']:.1f} %, ROUGE-L {metrics['skip/rouge_l']:.3f}")
+    output = _adapter_output(loaded, source, ns.output)
+    adapter.save_pretrained(output)
+    if loaded.lora and loaded.kind == "checkpoint":
+        loaded.model.save_pretrained(output / "lora")
+    print(f"calibration stored with the adapter in {output}")
+    return 0
+
+
+def chat_inputs(processor: Any, prompt: str, image: Any | None) -> dict[str, Any]:
+    """Model inputs for one user turn (an image, if given, then the prompt), ending in the assistant's turn."""
+    content: list[dict[str, Any]] = ([{"type": "image", "image": image}] if image is not None else [])
+    content.append({"type": "text", "text": prompt})
+    messages = [{"role": "user", "content": content}]
+    if not hasattr(processor, "image_processor"):  # a text-only LM: its processor is the tokenizer
+        if image is not None:
+            raise ValueError("this backbone is a text-only language model: drop --image")
+        messages = [{"role": "user", "content": prompt}]
+    return processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True,
+                                         return_tensors="pt")
+
+
+def generate_main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m vlm_retrofit generate",
+                                     description="Answer one prompt (optionally about an image) with block skipping, "
+                                                 "and print the compute report.")
+    parser.add_argument("--model", required=True, help="checkpoint (.ckpt), router adapter folder or release folder")
+    parser.add_argument("--base", default=None, help="base model, if not the one the adapter names")
+    parser.add_argument("--image", default=None, help="image file")
+    parser.add_argument("--prompt", required=True)
+    parser.add_argument("--skip-policy", default=None, choices=sorted(POLICIES),
+                        help="skip policy (default: no skipping, still reporting compute)")
+    parser.add_argument("--target-saving", type=float, default=None, help="use the calibration stored for this target")
+    parser.add_argument("--threshold", type=float, default=None,
+                        help="explicit threshold for recent_weight / gate (instead of --target-saving)")
+    parser.add_argument("--budget", type=float, default=None, help="max blocks one token may skip (count or fraction)")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    ns = parser.parse_args(argv)
+    if ns.image is not None and not os.path.isfile(ns.image):
+        print(f"generate: image {ns.image} does not exist")
+        return 1
+    from PIL import Image
+
+    loaded = load_trained(Path(ns.model), ns.base)
+    image = Image.open(ns.image).convert("RGB") if ns.image else None
+    try:
+        inputs = chat_inputs(loaded.processor, ns.prompt, image)
+    except ValueError as error:
+        print(f"generate: {error}")
+        return 1
+    settings: dict[str, Any] = {}
+    if ns.threshold is not None:
+        settings = {"thresholds" if ns.skip_policy == "recent_weight" else "threshold": ns.threshold}
+    tokenizer = getattr(loaded.processor, "tokenizer", loaded.processor)
+    try:
+        controller = (loaded.adapter.skipping(ns.skip_policy, target_saving=ns.target_saving, budget=ns.budget, **settings)
+                      if ns.skip_policy else SkipController(loaded.adapter, None))
+    except ValueError as error:
+        print(f"generate: {error}")
+        return 1
+    with torch.no_grad(), controller as report:
+        output = loaded.model.generate(**inputs, max_new_tokens=ns.max_new_tokens, do_sample=False)
+    answer = tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+    print(answer)
+    print(f"[{ns.skip_policy or 'no skipping'}] {report.summary()}")
+    return 0

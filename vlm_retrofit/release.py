@@ -1,0 +1,333 @@
+"""Release: merge a trained router adapter into a folder that ships, and load it back without Lightning."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from .backbones import base_fingerprint, unwrap_model
+from .backbones.loading import load_backbone
+from .routing import AdapterMismatchError, RouterAdapter, RouterConfig, attach_routers, check_fingerprint
+from .routing.adapter import CONFIG_NAME, read_adapter_config
+
+RELEASE_CONFIG = "release_config.json"
+RELEASE_FORMAT = "vlm_retrofit.release"
+CHECKPOINT_SECTION = "vlm_retrofit"  # the training module's checkpoint key (not imported: it pulls in Lightning)
+MERGED_LORA = "merged_lora.safetensors"
+VERIFY_ATOL = 1e-4
+
+
+class ReleaseVerificationError(RuntimeError):
+    """A freshly written release does not reproduce the model it was merged from."""
+
+
+@dataclass
+class Loaded:
+    """A base model with its trained routers (and LoRA, if any), from a checkpoint, adapter folder or release."""
+
+    model: nn.Module
+    processor: Any
+    adapter: RouterAdapter
+    base_model: dict[str, Any]
+    lora: dict[str, Any] | None
+    kind: str
+
+
+def _load_kwargs(base_model: dict[str, Any]) -> dict[str, Any]:
+    known = ("trust_remote_code", "torch_dtype", "attn_implementation", "model_class", "kwargs")
+    return {k: base_model[k] for k in known if base_model.get(k) is not None}
+
+
+def _load_base(base_model: dict[str, Any], base: str | None, source: str) -> tuple[nn.Module, Any, dict[str, Any]]:
+    base_model = dict(base_model)
+    if base is not None:
+        base_model["name"] = base
+    if not base_model.get("name"):
+        raise ValueError(f"{source} does not say which base model it belongs to; pass the base explicitly (--base)")
+    model, processor = load_backbone(base_model["name"], **_load_kwargs(base_model))
+    return model, processor, base_model
+
+
+def load_checkpoint(path: str | os.PathLike, base: str | None = None) -> Loaded:
+    """Rebuild the trained model of a Lightning checkpoint written by `RetrofitModule` (no Lightning needed)."""
+    path = Path(path)
+    checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    meta = checkpoint.get(CHECKPOINT_SECTION)
+    if meta is None:
+        raise AdapterMismatchError(f"{path} was not written by vlm_retrofit's RetrofitModule (no '{CHECKPOINT_SECTION}' section)")
+    hp = checkpoint.get("hyper_parameters", {})
+    saved_base = {"name": hp.get("backbone", meta.get("backbone")), "kwargs": hp.get("backbone_kwargs") or {},
+                  "torch_dtype": hp.get("torch_dtype"), "attn_implementation": hp.get("attn_implementation"),
+                  "model_class": hp.get("model_class"), "trust_remote_code": hp.get("trust_remote_code", False)}
+    model, processor, base_model = _load_base(saved_base, base, str(path))
+    check_fingerprint(meta["base_fingerprint"], base_fingerprint(model),
+                      source=f"checkpoint {path} (trained on {meta.get('backbone')!r}, given {base_model['name']!r})")
+    lora = meta.get("lora")
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(**lora))
+    adapter = attach_routers(model, RouterConfig.from_dict(meta["router_config"]))
+    state = checkpoint["state_dict"]
+    adapter.load_state_dict({k.removeprefix("adapter."): v for k, v in state.items() if k.startswith("adapter.")})
+    lora_state = {k.removeprefix("model."): v for k, v in state.items() if k.startswith("model.")}
+    if lora_state:
+        result = model.load_state_dict(lora_state, strict=False)
+        if result.unexpected_keys:
+            raise AdapterMismatchError(f"{path}: LoRA tensors {result.unexpected_keys[:5]} do not fit the model")
+    adapter.base_model = base_model
+    return Loaded(model.eval(), processor, adapter, base_model, dict(lora) if lora else None, "checkpoint")
+
+
+def load_adapter_folder(path: str | os.PathLike, base: str | None = None) -> Loaded:
+    """Load base + routers (+ `lora/` if present) from an adapter folder written by `save_pretrained`."""
+    path = Path(path)
+    saved = read_adapter_config(path)
+    model, processor, base_model = _load_base(saved.get("base_model") or {}, base, str(path))
+    check_fingerprint(saved["base_fingerprint"], base_fingerprint(model), source=f"adapter {path}")
+    lora = None
+    if (path / "lora" / "adapter_config.json").is_file():
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, path / "lora")
+        lora = json.loads((path / "lora" / "adapter_config.json").read_text())
+    adapter = RouterAdapter.from_pretrained(model, path)
+    adapter.base_model = base_model
+    return Loaded(model.eval(), processor, adapter, base_model, lora, "adapter")
+
+
+def _load_processor(directory: Path, trust_remote_code: bool) -> Any:
+    import transformers
+
+    try:
+        return transformers.AutoProcessor.from_pretrained(directory, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, KeyError, TypeError):
+        return transformers.AutoTokenizer.from_pretrained(directory, trust_remote_code=trust_remote_code)
+
+
+def _load_release(directory: Path) -> Loaded:
+    config = json.loads((directory / RELEASE_CONFIG).read_text())
+    if config.get("format") != RELEASE_FORMAT:
+        raise ValueError(f"{directory / RELEASE_CONFIG} is not a vlm_retrofit release")
+    base_model = config["base_model"]
+    if config.get("full_weights"):
+        model, processor = load_backbone(str(directory / "model"), **_load_kwargs({**base_model, "kwargs": None}),
+                                         processor_from=str(directory / "processor"))
+    else:
+        model, _, base_model = _load_base(base_model, None, str(directory))
+        processor = _load_processor(directory / "processor", bool(base_model.get("trust_remote_code")))
+    if (directory / MERGED_LORA).is_file():
+        merged = load_file(str(directory / MERGED_LORA))
+        own = model.state_dict()
+        unknown = sorted(k for k in merged if k not in own or own[k].shape != merged[k].shape)
+        if unknown:
+            raise AdapterMismatchError(f"{directory / MERGED_LORA} holds tensors the base does not have: {unknown[:5]}")
+        model.load_state_dict(merged, strict=False)
+    if (directory / "lora").is_dir():
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, directory / "lora")
+    adapter = RouterAdapter.from_pretrained(model, directory / "router")
+    adapter.base_model = base_model
+    return Loaded(model.eval(), processor, adapter, base_model, config.get("lora"), "release")
+
+
+def load_release(directory: str | os.PathLike) -> tuple[nn.Module, Any]:
+    """`(model, processor)` of a release folder; `vlm_retrofit.get_adapter(model)` gives its routers, e.g.
+    `with get_adapter(model).skipping("recent_weight", target_saving=0.3): model.generate(...)`."""
+    loaded = _load_release(Path(directory))
+    return loaded.model, loaded.processor
+
+
+def load_trained(path: str | os.PathLike, base: str | None = None) -> Loaded:
+    """Whatever training or merging produced: a checkpoint file, an adapter folder or a release folder."""
+    path = Path(path)
+    if path.is_file():
+        return load_checkpoint(path, base)
+    if (path / RELEASE_CONFIG).is_file():
+        return _load_release(path)
+    if (path / CONFIG_NAME).is_file():
+        return load_adapter_folder(path, base)
+    raise FileNotFoundError(f"{path} is neither a checkpoint file, a router adapter folder ({CONFIG_NAME}) "
+                            f"nor a release folder ({RELEASE_CONFIG})")
+
+
+# -- merging --------------------------------------------------------------------------------------------
+def _lora_base_weight_keys(peft_model: nn.Module) -> list[str]:
+    """State-dict keys (after merge_and_unload) of the weights a LoRA changes."""
+    from peft.tuners.lora import LoraLayer
+
+    prefix = "base_model.model."
+    keys = []
+    for name, module in peft_model.named_modules():
+        if isinstance(module, LoraLayer):
+            base = name.removeprefix(prefix)
+            keys.append(f"{base}.weight")
+            if getattr(module.get_base_layer(), "bias", None) is not None:
+                keys.append(f"{base}.bias")
+    return sorted(keys)
+
+
+def _sample_inputs(processor: Any) -> dict[str, Any]:
+    from .testing import tiny_inputs
+
+    return tiny_inputs(processor, batch=2, with_image=True)
+
+
+@torch.no_grad()
+def _logits(model: nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
+    """Logits at the real (non-padding) positions: padding rows differ between attention kernels."""
+    logits = model(**inputs).logits.float()
+    mask = inputs.get("attention_mask")
+    return logits[mask.bool()] if mask is not None else logits
+
+
+def _model_card(loaded: Loaded, config: dict[str, Any]) -> str:
+    adapter = loaded.adapter
+    lines = [
+        f"# {config['base_model']['name']} + vlm_retrofit depth routers",
+        "",
+        "Depth routers (Attention Residuals) retrofitted into the frozen language backbone and trained by",
+        "self-distillation; the routing signal skips decoder blocks per token at generation time (ReSkip).",
+        "",
+        "## Contents",
+        "",
+        f"* backbone: `{config['base_model']['name']}` (`{adapter.fingerprint['model_type']}`, "
+        f"{adapter.fingerprint['num_layers']} layers, hidden {adapter.fingerprint['hidden_size']})",
+        f"* weights: {'complete, in `model/`' if config['full_weights'] else 'not included: the base loads from its own source'}",
+        f"* LoRA: {config['lora'] or 'none'}",
+        f"* router adapter: `router/` ({sum(p.numel() for p in adapter.parameters()):,} parameters; blocks "
+        f"{list(adapter.layout.block_starts)}; skippable {list(adapter.layout.skippable_blocks)})",
+        f"* router config: `{json.dumps(adapter.config.to_dict(), sort_keys=True)}`",
+        "",
+        "## Measured at calibration",
+        "",
+    ]
+    if adapter.calibration_metrics:
+        lines += ["| policy | target saving | layer executions skipped | token match vs unskipped |", "|---|---|---|---|"]
+        for policy, targets in sorted(adapter.calibration_metrics.items()):
+            for target, metrics in sorted(targets.items()):
+                lines.append(f"| {policy} | {float(target):.2f} | {metrics.get('achieved_saving', float('nan')):.3f} | "
+                             f"{metrics.get('token_match', float('nan')):.3f} |")
+    else:
+        lines.append("Not calibrated: pass explicit thresholds, or run `python -m vlm_retrofit calibrate` first.")
+    lines += [
+        "",
+        "## Loading",
+        "",
+        "```python",
+        "from vlm_retrofit import get_adapter, load_release",
+        "model, processor = load_release(\"<this folder>\")",
+        "with get_adapter(model).skipping(\"recent_weight\", target_saving=...) as report:",
+        "    output = model.generate(**inputs, max_new_tokens=64)",
+        "print(report.summary())",
+        "```",
+        "",
+        "or `python -m vlm_retrofit generate --model <this folder> --image IMAGE --prompt TEXT`.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _write_release(loaded: Loaded, directory: Path, merge_lora: bool, full_weights: bool) -> None:
+    directory.mkdir(parents=True)
+    model = loaded.model
+    lora_mode = None
+    if loaded.lora:
+        if merge_lora or full_weights:
+            changed = _lora_base_weight_keys(model)
+            model = model.merge_and_unload()  # the router hooks sit on layer instances and survive this
+            lora_mode = "merged"
+            if not full_weights:
+                state = model.state_dict()
+                save_file({k: state[k].detach().cpu().contiguous() for k in changed}, str(directory / MERGED_LORA),
+                          metadata={"format": "pt"})
+        else:
+            model.save_pretrained(directory / "lora")
+            lora_mode = "adapter"
+    if full_weights:
+        unwrap_model(model).save_pretrained(directory / "model", safe_serialization=True)
+    loaded.adapter.save_pretrained(directory / "router")
+    loaded.processor.save_pretrained(directory / "processor")
+    base_model = dict(loaded.base_model)
+    # The release must run the attention kernel the source ran (saved configs do not record it).
+    base_model.setdefault("attn_implementation", None)
+    base_model["attn_implementation"] = base_model["attn_implementation"] or unwrap_model(model).config._attn_implementation
+    config = {
+        "format": RELEASE_FORMAT,
+        "format_version": 1,
+        "base_model": base_model,
+        "base_fingerprint": loaded.adapter.fingerprint,
+        "full_weights": bool(full_weights),
+        "lora": lora_mode,
+    }
+    (directory / RELEASE_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    (directory / "README.md").write_text(_model_card(loaded, config))
+
+
+def merge(source: str | os.PathLike, output: str | os.PathLike, *, base: str | None = None, merge_lora: bool = False,
+          full_weights: bool = False, verify: bool = True) -> Path:
+    """Write a release folder for a checkpoint or adapter folder; see `python -m vlm_retrofit merge --help`.
+
+    Atomic: everything is written to a hidden temporary folder beside `output` and renamed into place at
+    the end; on any error nothing is left behind. With `verify`, the written release is loaded back and
+    must reproduce the source model's logits (fp32 tolerance 1e-4) before it is moved into place.
+    """
+    output = Path(output)
+    loaded = load_trained(source, base)
+    inputs = _sample_inputs(loaded.processor) if verify else None
+    expected = _logits(loaded.model, inputs) if verify else None
+    output.parent.mkdir(parents=True, exist_ok=True)
+    staging = output.parent / f".{output.name}.merging"
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        _write_release(loaded, staging, merge_lora, full_weights)
+        if verify:
+            loaded.adapter.detach()  # the source's hooks would otherwise stay on a model we no longer use
+            released, _ = load_release(staging)
+            diff = (_logits(released, inputs) - expected).abs().max().item()
+            if not diff <= VERIFY_ATOL:
+                raise ReleaseVerificationError(f"the release does not reproduce {source}: logits differ by {diff:.3g}")
+        previous = output.parent / f".{output.name}.previous"
+        shutil.rmtree(previous, ignore_errors=True)
+        if output.exists():
+            os.rename(output, previous)
+        os.rename(staging, output)
+        shutil.rmtree(previous, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return output
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m vlm_retrofit merge",
+                                     description="Write a release folder: router adapter, skip calibration, "
+                                                 "processor, model card (and optionally full weights).")
+    parser.add_argument("--ckpt", required=True, help="Lightning checkpoint (.ckpt) or router adapter folder")
+    parser.add_argument("--output", required=True, help="release folder to write (replaced atomically)")
+    parser.add_argument("--base", default=None, help="base model (hub id, folder or tiny:<family>); "
+                                                     "default: the one the checkpoint names. A different base is refused")
+    parser.add_argument("--merge-lora", action="store_true", help="fold a LoRA into the weights it changes")
+    parser.add_argument("--full-weights", action="store_true", help="include the complete weights (LoRA merged)")
+    parser.add_argument("--no-verify", action="store_true", help="skip the logits check of the written release")
+    ns = parser.parse_args(argv)
+    try:
+        path = merge(ns.ckpt, ns.output, base=ns.base, merge_lora=ns.merge_lora, full_weights=ns.full_weights,
+                     verify=not ns.no_verify)
+    except (AdapterMismatchError, FileNotFoundError, ValueError, ReleaseVerificationError) as error:
+        print(f"merge refused: {error}")
+        return 1
+    size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    print(f"release written to {path} ({size / 1024:.1f} KiB); verified: {not ns.no_verify}")
+    print(f"load it with vlm_retrofit.load_release({str(path)!r}) or python -m vlm_retrofit generate --model {path}")
+    return 0
