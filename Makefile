@@ -15,8 +15,18 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 
 setup: $(VENV)/.installed
 
+RUN := runs/tiny
+DEMO_IMAGE := import random; from vlm_retrofit.datamodules.synthetic import render_scene; \
+	image, caption = render_scene(random.Random(7)); image.save("$(RUN)/demo.png"); print("demo image:", caption)
+
+# The whole story on the built-in default: train, calibrate the skip gates, merge a release, generate from it.
 demo: setup
 	$(PY) -m vlm_retrofit fit
+	$(PY) -m vlm_retrofit calibrate --model $(RUN)/adapter --policy gate --target-saving 0.25
+	$(PY) -m vlm_retrofit merge --ckpt $(RUN)/adapter --output $(RUN)/release
+	$(PY) -c '$(DEMO_IMAGE)'
+	$(PY) -m vlm_retrofit generate --model $(RUN)/release --image $(RUN)/demo.png --prompt "Describe the image." \
+		--skip-policy gate --target-saving 0.25 --max-new-tokens 24
 
 test: setup
 	$(PY) -m pytest -q tests

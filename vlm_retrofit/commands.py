@@ -133,9 +133,18 @@ def generate_main(argv: list[str] | None = None) -> int:
     except ValueError as error:
         print(f"generate: {error}")
         return 1
+    prompt_length = inputs["input_ids"].shape[1]
+    options = dict(max_new_tokens=ns.max_new_tokens, do_sample=False)
     with torch.no_grad(), controller as report:
-        output = loaded.model.generate(**inputs, max_new_tokens=ns.max_new_tokens, do_sample=False)
-    answer = tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
-    print(answer)
+        output = loaded.model.generate(**inputs, **options)[0, prompt_length:]
+    print(tokenizer.decode(output, skip_special_tokens=True))
     print(f"[{ns.skip_policy or 'no skipping'}] {report.summary()}")
+    if ns.skip_policy:
+        with torch.no_grad():
+            reference = loaded.model.generate(**inputs, **options)[0, prompt_length:]
+        width = max(len(output), len(reference))
+        same = sum(int(a == b) for a, b in zip(output.tolist(), reference.tolist()))
+        print(f"without skipping: {tokenizer.decode(reference, skip_special_tokens=True)}")
+        print(f"agreement with the unskipped answer: {same}/{width} tokens; "
+              f"decoder-block compute saved {100 * report.compute_saved:.1f} %")
     return 0
