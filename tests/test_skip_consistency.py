@@ -66,7 +66,7 @@ def test_never_firing_threshold_reproduces_unskipped_generation(family):
     assert report.compute_saved == 0 and report.layer_calls["full"] > 0
 
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "llava", "gemma3"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_never_firing_threshold_at_init_equals_the_base(family):
     model, processor = tiny_vlm(family)
     inputs = tiny_inputs(processor, batch=2)
@@ -78,7 +78,7 @@ def test_never_firing_threshold_at_init_equals_the_base(family):
     assert torch.equal(base, retrofit)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2_vl", "qwen3_vl"])
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("mode", ["beam", "sample", "static_cache"])
 def test_generation_modes_match_uncached_generation(family, mode):
     """Beam search, sampling and a static cache under skipping equal `generate(use_cache=False)`."""
