@@ -12,7 +12,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from torch import Tensor
 
 from vlm_retrofit.skipping import SkipReport, calibrate
-from vlm_retrofit.skipping.calibrate import _model_inputs
+from vlm_retrofit.batch import model_inputs
 
 
 def prompts_from_batch(batch: Mapping[str, Any], pad_token_id: int) -> dict[str, Any]:
@@ -27,7 +27,7 @@ def prompts_from_batch(batch: Mapping[str, Any], pad_token_id: int) -> dict[str,
         lengths.append(int(first[0]) + 1 if len(first) else int(attention[row].sum()))
     width = max(lengths)
     prompts: dict[str, Any] = {}
-    for key, value in _model_inputs(batch).items():
+    for key, value in model_inputs(batch).items():
         if isinstance(value, Tensor) and value.dim() == 2 and tuple(value.shape) == (rows, length):
             fill = pad_token_id if key == "input_ids" else 0
             padded = torch.full((rows, width), fill, dtype=value.dtype, device=value.device)

@@ -1,15 +1,15 @@
 """Streaming image-text data for distillation: WebDataset data module, formatting, skip counting, shard builder."""
 
+from vlm_retrofit.batch import META_KEYS, model_inputs
+
 from .formatting import ChatFormatter, Example, load_processor
 from .quality import (
-    META_KEYS,
     REASONS,
     DataQualityCallback,
     DataQualityError,
     DataQualityTracker,
     SkipCounter,
     check_bad_fraction,
-    model_inputs,
 )
 from .shards import build_shards, write_tar
 from .synthetic import ensure_synthetic_shards, write_synthetic_shards

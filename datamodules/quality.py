@@ -25,10 +25,6 @@ REASONS: tuple[str, ...] = (
     "format_error",  # the processor rejected the sample
 )
 
-#: Batch entries that are not model inputs (pop them before `model(**batch)`; see `model_inputs`).
-META_KEYS: tuple[str, ...] = ("loss_mask", "skipped", "skipped_shards", "num_samples")
-
-
 class DataQualityError(RuntimeError):
     """Too large a fraction of the training samples was unusable."""
 
@@ -167,7 +163,3 @@ class DataQualityCallback(pl.Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.tracker.load_state_dict(state_dict.get("tracker", {}))
 
-
-def model_inputs(batch: Mapping[str, Any]) -> dict[str, Any]:
-    """The batch without `META_KEYS`: exactly the keyword arguments of the family's forward."""
-    return {k: v for k, v in batch.items() if k not in META_KEYS}

@@ -87,7 +87,7 @@ class WebDatasetDataModule(pl.LightningDataModule):
     * `loss_mask` (bool [B, T]): True at t iff `input_ids[:, t+1]` is a response token (aligned with `logits[:, t]`);
     * `skipped` ({reason: int}): samples the producing worker skipped since its previous batch;
       `skipped_shards` ({shard url: int}) the same by shard; `num_samples` (int): rows in this batch.
-      `quality.model_inputs(batch)` drops these four meta entries. `DataQualityCallback` sums them.
+      `vlm_retrofit.batch.model_inputs(batch)` drops these meta entries. `DataQualityCallback` sums them.
     """
 
     def __init__(

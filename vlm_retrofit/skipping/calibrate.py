@@ -9,6 +9,7 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 from torch import Tensor
 
+from ..batch import model_inputs
 from ..routing.adapter import RouterAdapter
 from .policies import POLICIES, SkipPolicy, recent_source_weight
 from .runtime import SkipController
@@ -27,11 +28,6 @@ class CalibrationResult:
     def summary(self) -> str:
         return (f"{self.policy}: target {100 * self.target_saving:.1f} % of layer executions skipped, "
                 f"reached {100 * self.achieved_saving:.1f} % on the calibration data")
-
-
-def _model_inputs(batch: Mapping[str, Any]) -> dict[str, Any]:
-    # Datamodule batches carry bookkeeping next to the model's inputs.
-    return {k: v for k, v in batch.items() if k not in ("loss_mask", "skipped", "skipped_shards", "num_samples", "labels")}
 
 
 def _score_fn(policy: str) -> Callable[[int, Any, RouterAdapter], Tensor]:
@@ -93,7 +89,7 @@ def block_influence(adapter: RouterAdapter, batches: Iterable[Mapping[str, Any]]
     try:
         with adapter.disabled():
             for batch in batches:
-                model(**_model_inputs(batch))
+                model(**model_inputs(batch))
     finally:
         for handle in handles:
             handle.remove()
@@ -121,7 +117,7 @@ def calibrate(adapter: RouterAdapter, batches: Iterable[Mapping[str, Any]], targ
     if not 0 < target_saving <= reachable:
         raise ValueError(f"target_saving must be in (0, {reachable:.3f}]: only {skippable_layers} of "
                          f"{layout.num_layers} layers are in skippable blocks {list(layout.skippable_blocks)}")
-    batches = [_model_inputs(b) for b in batches]
+    batches = [model_inputs(b) for b in batches]
     if not batches:
         raise ValueError("calibration needs at least one batch")
 

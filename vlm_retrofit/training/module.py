@@ -15,6 +15,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
+from ..batch import META_KEYS
 from ..routing import AdapterMismatchError, RouterConfig, attach_routers, check_fingerprint
 from ..backbones.loading import load_backbone
 from .losses import PENALTIES, compute_penalty, distillation_kl, drop_rate_at, routing_entropies
@@ -25,8 +26,6 @@ log = logging.getLogger("vlm_retrofit.training")
 #: Key of the vlm_retrofit section in a Lightning checkpoint dict.
 CHECKPOINT_KEY = "vlm_retrofit"
 CHECKPOINT_FORMAT = 1
-#: Batch entries that are not model-forward keywords (the datamodule's bookkeeping).
-META_KEYS = frozenset({"loss_mask", "skipped", "skipped_shards", "num_samples", "labels"})
 
 
 def _router_config(router: RouterConfig | Mapping[str, Any] | None) -> RouterConfig:
