@@ -1,0 +1,90 @@
+"""Baselines at matched compute: greedy static removal by single-layer impact, and the per-token update oracle."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterable, Iterator
+
+import torch
+from torch import Tensor
+
+from vlm_retrofit.skipping import StaticPolicy
+
+from .evaluate import perplexity
+
+
+def single_block_impact(model, adapter, chunks: list[Tensor]) -> dict[int, float]:
+    """Perplexity with each skippable block removed alone (routers at init: plain layer dropping)."""
+    return {block: perplexity(model, chunks, lambda b=block: adapter.skipping(StaticPolicy([b])))
+            for block in adapter.layout.skippable_blocks}
+
+
+def greedy_static_blocks(impact: dict[int, float], layout, target: float) -> list[int]:
+    """The least harmful blocks, one by one, until `target` of the layers is removed."""
+    chosen, removed = [], 0
+    for block in sorted(impact, key=impact.__getitem__):
+        if removed / layout.num_layers >= target - 1e-9:
+            break
+        chosen.append(block)
+        removed += len(layout.layers_of_block(block))
+    return sorted(chosen)
+
+
+class UpdateOracle:
+    """Per token, skip the layers whose relative update ||f(x)|| / ||x|| is smallest (runs the layer to know).
+
+    Not a method that saves compute: a reference for how well any predictor of "this layer does little
+    here" could do. Thresholds per layer sit at the same quantile of that layer's update distribution.
+    """
+
+    def __init__(self, model, layers: Iterable[int], layer_modules) -> None:
+        self.model = model
+        self.layers = list(layers)
+        self.modules = layer_modules
+        self.thresholds: dict[int, float] = {}
+        self.skipped = self.total = 0
+
+    @staticmethod
+    def _relative_update(args, kwargs, output) -> tuple[Tensor, Tensor, Tensor]:
+        hidden = args[0] if args else kwargs["hidden_states"]
+        out = output[0] if isinstance(output, tuple) else output
+        update = (out - hidden).float().norm(dim=-1) / hidden.float().norm(dim=-1).clamp_min(1e-6)
+        return hidden, out, update
+
+    @contextlib.contextmanager
+    def _hooks(self, hook) -> Iterator[None]:
+        handles = [self.modules[i].register_forward_hook(lambda m, a, k, o, i=i: hook(i, a, k, o), with_kwargs=True)
+                   for i in self.layers]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    @torch.no_grad()
+    def calibrate(self, batches: list[dict[str, Any]], rate: float) -> None:
+        values: dict[int, list[Tensor]] = {i: [] for i in self.layers}
+
+        def record(i, args, kwargs, output):
+            values[i].append(self._relative_update(args, kwargs, output)[2].flatten())
+
+        with self._hooks(record):
+            for batch in batches:
+                self.model(**batch)
+        self.thresholds = {i: float(torch.quantile(torch.cat(v), min(max(rate, 0.0), 1.0))) for i, v in values.items()}
+
+    @contextlib.contextmanager
+    def skipping(self) -> Iterator["UpdateOracle"]:
+        def replace(i, args, kwargs, output):
+            hidden, out, update = self._relative_update(args, kwargs, output)
+            skip = update < self.thresholds[i]
+            self.skipped += int(skip.sum())
+            self.total += skip.numel()
+            return torch.where(skip[..., None], hidden, out)
+
+        with self._hooks(replace):
+            yield self
+
+    @property
+    def skip_fraction(self) -> float:
+        return self.skipped / self.total if self.total else 0.0

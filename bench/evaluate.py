@@ -1,0 +1,83 @@
+"""Benchmark measurements: perplexity, teacher-forced agreement and KL, captions, and decode speed, side by side."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from typing import Any, Callable, ContextManager, Iterable
+
+import torch
+from torch import Tensor
+
+Method = Callable[[], ContextManager[Any]]
+"""Enters the skipping of one method for the duration of a measurement (`contextlib.nullcontext` = base)."""
+
+
+@torch.no_grad()
+def perplexity(model, chunks: Iterable[Tensor], method: Method) -> float:
+    """Perplexity of `model` under `method` on token-id chunks (each [T]), no cache."""
+    total_nll, total_tokens = 0.0, 0
+    for ids in chunks:
+        with method():
+            logits = model(input_ids=ids[None], use_cache=False).logits[0, :-1].float()
+        total_nll += torch.nn.functional.cross_entropy(logits, ids[1:], reduction="sum").item()
+        total_tokens += ids.numel() - 1
+    return math.exp(total_nll / total_tokens)
+
+
+@torch.no_grad()
+def greedy(model, inputs: dict[str, Any], max_new_tokens: int, method: Method, pad_token_id: int) -> tuple[Tensor, Any, float]:
+    """Greedy continuation under `method`: (new tokens [B, N], the method's report or None, seconds)."""
+    start = time.perf_counter()
+    with method() as report:
+        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad_token_id)
+    return out[:, inputs["input_ids"].shape[1]:], report, time.perf_counter() - start
+
+
+@torch.no_grad()
+def teacher_forced(model, inputs: dict[str, Any], continuation: Tensor, method: Method,
+                   base_logits: Tensor | None = None) -> tuple[Tensor, float, float]:
+    """Run prompt + the base's greedy continuation once under `method`.
+
+    Returns the logits at the continuation positions, the top-1 agreement with the continuation (how often
+    the method would have produced the base's token) and KL(base || method) averaged over those positions.
+    """
+    full = dict(inputs)
+    full["input_ids"] = torch.cat([inputs["input_ids"], continuation], dim=1)
+    extra = continuation.shape[1]
+    full["attention_mask"] = torch.cat([inputs["attention_mask"], torch.ones_like(continuation)], dim=1)
+    with method():
+        logits = model(**full, use_cache=False).logits[:, -extra - 1:-1].float()
+    agreement = (logits.argmax(-1) == continuation).float().mean().item()
+    kl = 0.0
+    if base_logits is not None:
+        p = torch.log_softmax(base_logits, -1)
+        q = torch.log_softmax(logits, -1)
+        kl = (p.exp() * (p - q)).sum(-1).mean().item()
+    return logits, agreement, kl
+
+
+def rouge_l(predictions: list[str], references: list[str]) -> float:
+    from torchmetrics.functional.text.rouge import rouge_score
+
+    return float(rouge_score(predictions, references, rouge_keys="rougeL")["rougeL_fmeasure"])
+
+
+@torch.no_grad()
+def decode_speed(model, inputs: dict[str, Any], method: Method, pad_token_id: int, new_tokens: int = 32,
+                 repeats: int = 2) -> float:
+    """Generated tokens per second (best of `repeats`), min_new_tokens forcing a fixed length."""
+    best = 0.0
+    for _ in range(repeats):
+        start = time.perf_counter()
+        with method():
+            model.generate(**inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                           pad_token_id=pad_token_id)
+        seconds = time.perf_counter() - start
+        best = max(best, inputs["input_ids"].shape[0] * new_tokens / seconds)
+    return best
+
+
+def nullmethod() -> ContextManager[Any]:
+    return contextlib.nullcontext()
