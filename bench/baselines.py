@@ -65,11 +65,15 @@ class UpdateOracle:
     def calibrate(self, batches: list[dict[str, Any]], rate: float) -> None:
         values: dict[int, list[Tensor]] = {i: [] for i in self.layers}
 
+        current: dict[str, Tensor] = {}
+
         def record(i, args, kwargs, output):
-            values[i].append(self._relative_update(args, kwargs, output)[2].flatten())
+            update = self._relative_update(args, kwargs, output)[2]
+            values[i].append(update[current["real"]] if current["real"].shape == update.shape else update.flatten())
 
         with self._hooks(record):
             for batch in batches:
+                current["real"] = batch["attention_mask"].bool()  # padding says nothing about real tokens
                 self.model(**batch)
         self.thresholds = {i: float(torch.quantile(torch.cat(v), min(max(rate, 0.0), 1.0))) for i, v in values.items()}
 

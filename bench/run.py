@@ -62,7 +62,7 @@ def train_variant(variant: Variant, backbone: str, shards: dict[str, Any], minut
     module = RetrofitModule(backbone=backbone, model_class="transformers.LlavaForConditionalGeneration",
                             router=variant.router, lr=5e-3, warmup_steps=20, scheduler="constant", **module_args)
     data = WebDatasetDataModule(processor=backbone, train_shards=shards["train"], val_shards=shards["val"],
-                                batch_size=batch_size, num_workers=1, max_length=160, train_samples_per_epoch=100000,
+                                batch_size=batch_size, num_workers=1, max_length=384, train_samples_per_epoch=100000,
                                 add_quality_callback=True)
     timings: list[float] = []
 
@@ -321,7 +321,7 @@ def build_eval_set(processor, manifest: dict[str, Any], args) -> EvalSet:
     for name in ("captions-val", "austen-val"):
         data = WebDatasetDataModule(processor=args.backbone, val_shards=manifest["shards"][name]["dir"],
                                     train_shards=manifest["shards"][name]["dir"], batch_size=8, num_workers=0,
-                                    max_length=160, add_quality_callback=False)
+                                    max_length=384, add_quality_callback=False)
         data.setup("validate")
         for batch, _ in zip(data.val_dataloader(), range(args.calibration_batches)):
             calibration.append(model_inputs(batch))

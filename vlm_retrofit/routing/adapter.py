@@ -45,6 +45,8 @@ class _StreamState:
     alphas: dict[str, Tensor] = field(default_factory=dict)
     token_is_image: Tensor | None = None
     """Bool [B, T] of visual-placeholder positions, when a skip context knows the input ids."""
+    token_is_real: Tensor | None = None
+    """Bool [B, T]: False at padding positions, when a skip context knows the attention mask."""
 
     def push(self, source: Tensor, eps: float, present: Tensor | None = None) -> None:
         self.sources.append(source)

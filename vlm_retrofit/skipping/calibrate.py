@@ -47,12 +47,12 @@ class _ScoreRecorder(SkipPolicy):
 
     def skip_mask(self, block: int, state: Any, adapter: Any) -> None:
         score = self.score(block, state, adapter).detach().float()
-        image = state.token_is_image
-        if image is None:
-            self.values["text"][block].append(score.flatten().cpu())
-        else:
-            self.values["text"][block].append(score[~image].cpu())
-            self.values["image"][block].append(score[image].cpu())
+        real = state.token_is_real if state.token_is_real is not None else torch.ones_like(score, dtype=torch.bool)
+        image = state.token_is_image if state.token_is_image is not None else torch.zeros_like(real)
+        # Padding positions are not calibrated on: their routing says nothing about real tokens.
+        self.values["text"][block].append(score[real & ~image].cpu())
+        if state.token_is_image is not None:
+            self.values["image"][block].append(score[real & image].cpu())
         return None
 
 

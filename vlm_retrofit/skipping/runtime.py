@@ -82,6 +82,7 @@ class SkipController:
         self._started = 0.0
         self._image_ids = torch.tensor(sorted(adapter.spec.image_token_ids(unwrap_model(adapter.model).config)))
         self._token_is_image: Tensor | None = None
+        self._token_is_real: Tensor | None = None
 
     # -- context ---------------------------------------------------------------------------------------
     def __enter__(self) -> SkipReport:
@@ -126,6 +127,8 @@ class SkipController:
         self._token_is_image = None
         if isinstance(input_ids, Tensor) and self._image_ids.numel():
             self._token_is_image = torch.isin(input_ids, self._image_ids.to(input_ids.device))
+        mask = kwargs.get("attention_mask")
+        self._token_is_real = mask.bool() if isinstance(mask, Tensor) and mask.dim() == 2 else None
 
     def _unpatch(self) -> None:
         for layer, previous in reversed(self._restore):
@@ -142,6 +145,8 @@ class SkipController:
         hidden = state.sources[0]
         if self._token_is_image is not None and self._token_is_image.shape == hidden.shape[:-1]:
             state.token_is_image = self._token_is_image
+        if self._token_is_real is not None and self._token_is_real.shape == hidden.shape[:-1]:
+            state.token_is_real = self._token_is_real
         self._skip.clear()
         self._used = None
         self._forward_counted = False
@@ -150,13 +155,17 @@ class SkipController:
         if block not in self.skippable or self.policy is None:
             self._skip[block] = None
             return
-        skip = self.policy.skip_mask(block, state, self.adapter)
-        self._skip[block] = self._apply_budget(skip)
-        if self._skip[block] is not None:
-            tokens = self._skip[block].numel()
-            self.report.record_decision(block, tokens, int(self._skip[block].sum()))
-        else:
-            self.report.record_decision(block, state.routed_input.shape[:-1].numel(), 0)
+        skip = self._apply_budget(self.policy.skip_mask(block, state, self.adapter))
+        self._skip[block] = skip
+        self._record_decision(block, state, skip)
+
+    def _record_decision(self, block: int, state: Any, skip: Tensor | None) -> None:
+        """Skip rates count real tokens only: padding positions are computed but are nobody's output."""
+        real = state.token_is_real
+        if real is None:
+            real = torch.ones(state.routed_input.shape[:-1], dtype=torch.bool, device=state.routed_input.device)
+        skipped = 0 if skip is None else int((skip & real).sum())
+        self.report.record_decision(block, int(real.sum()), skipped)
 
     def _apply_budget(self, skip: Tensor | None) -> Tensor | None:
         if skip is None or self.budget is None:

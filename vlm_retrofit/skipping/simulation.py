@@ -65,7 +65,7 @@ class SkipSimulation(SkipController):
         self._multiplier[block] = multiplier
         self.expected_keep[block] = keep_prob
         self.realised_keep[block] = 1.0 - float(skip.float().mean())
-        self.report.record_decision(block, skip.numel(), int(skip.sum()))
+        self._record_decision(block, state, skip)
 
     def _combine(self, block: int, hidden: Tensor, out: Tensor, skip: Tensor) -> Tensor:
         multiplier = self._multiplier[block].to(hidden.dtype)[..., None]
