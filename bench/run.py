@@ -168,6 +168,8 @@ class Bench:
 
 # -- the sweep ----------------------------------------------------------------------------------------------
 def _record(method: str, target: float, metrics: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    metrics = {**metrics, **{k: v for k, v in extra.items() if k in metrics or k == "compute_saved"}}
+    extra = {k: v for k, v in extra.items() if k not in metrics}
     record = {"method": method, "target": target, "compute_saved": metrics.get("compute_saved"),
               "agreement": metrics["agreement"], "ppl_ratio": metrics["ppl_ratio"], "rouge_l": metrics["rouge_l"],
               "decode_speedup_b1": metrics.get("decode_speedup_b1"), "decode_speedup_b8": metrics.get("decode_speedup_b8")}
@@ -197,6 +199,9 @@ def sweep(bench: Bench, targets: list[float], variants: list[Variant], speed_tar
         if overhead is None and target_model is model:
             # Retrofit time ÷ base time with skipping off: routers attached vs disabled, measured alternately.
             overhead = 1.0 / bench.speed_ratio(data.captions[0], nullmethod, rounds=3)
+        # Trained routers with skipping off: what the retrofit itself costs before any block is skipped.
+        records.append(_record(f"ours-{variant.name}", 0.0, bench.measure(nullmethod, speed=False), compute_saved=0.0))
+        log(f"ours-{variant.name} routers only: {records[-1]}")
         for target in targets:
             settings = calibrate(adapter, data.calibration, target, variant.policy, store=False,
                                  tolerance=bench.tolerance).settings
