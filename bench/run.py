@@ -103,7 +103,9 @@ class Bench:
     def __init__(self, model, processor, data: EvalSet, new_tokens: int) -> None:
         self.model, self.processor, self.data, self.new_tokens = model, processor, data, new_tokens
         self.tokenizer = getattr(processor, "tokenizer", processor)
-        self.pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        from vlm_retrofit.callbacks import generation_pad_id
+
+        self.pad = generation_pad_id(self.tokenizer)
         self.base: dict[str, Any] = {}
         self.base_method: Method = nullmethod
         self.tolerance = 0.02  # calibration: how close to each target the skipped fraction must come
@@ -168,13 +170,10 @@ class Bench:
 
 # -- the sweep ----------------------------------------------------------------------------------------------
 def _record(method: str, target: float, metrics: dict[str, Any], **extra: Any) -> dict[str, Any]:
-    metrics = {**metrics, **{k: v for k, v in extra.items() if k in metrics or k == "compute_saved"}}
-    extra = {k: v for k, v in extra.items() if k not in metrics}
-    record = {"method": method, "target": target, "compute_saved": metrics.get("compute_saved"),
-              "agreement": metrics["agreement"], "ppl_ratio": metrics["ppl_ratio"], "rouge_l": metrics["rouge_l"],
-              "decode_speedup_b1": metrics.get("decode_speedup_b1"), "decode_speedup_b8": metrics.get("decode_speedup_b8")}
-    record.update({k: v for k, v in metrics.items() if k not in record}, **extra)
-    return record
+    """One operating point: the results.json keys first, then every other measurement; `extra` overrides."""
+    keys = ("compute_saved", "agreement", "ppl_ratio", "rouge_l", "decode_speedup_b1", "decode_speedup_b8")
+    merged = {**metrics, **extra}
+    return {"method": method, "target": target, **{k: merged.get(k) for k in keys}, **merged}
 
 
 def sweep(bench: Bench, targets: list[float], variants: list[Variant], speed_target: float,

@@ -38,7 +38,8 @@ def prompts_from_batch(batch: Mapping[str, Any], pad_token_id: int) -> dict[str,
     return prompts
 
 
-def _pad_id(tokenizer) -> int:
+def generation_pad_id(tokenizer) -> int:
+    """The id generation pads with: the tokenizer's pad token, else its end-of-sequence token."""
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
 
@@ -88,7 +89,7 @@ class SkipAwareGenerationCallback(pl.Callback):
             return
         model, adapter, processor = pl_module.model, pl_module.adapter, pl_module.processor
         tokenizer = getattr(processor, "tokenizer", processor)
-        prompts = [prompts_from_batch(b, _pad_id(tokenizer)) for b in self._batches]
+        prompts = [prompts_from_batch(b, generation_pad_id(tokenizer)) for b in self._batches]
         key = f"{self.target_saving:.4f}"
         settings = adapter.calibration.get(self.policy, {}).get(key)
         if settings is None:
@@ -144,7 +145,7 @@ def compare_generation(model, adapter, prompts: list[dict[str, Any]], policy: st
     """
     from torchmetrics.functional.text.rouge import rouge_score
 
-    pad = _pad_id(tokenizer)
+    pad = generation_pad_id(tokenizer)
     options = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
     matches = total = generated = 0
     base_time = skip_time = 0.0

@@ -30,12 +30,9 @@ def load_processor(name: str):
         from vlm_retrofit.testing import tiny_vlm
 
         return tiny_vlm(name.split(":", 1)[1])[1]
-    from transformers import AutoProcessor, AutoTokenizer
+    from vlm_retrofit.backbones.loading import load_processor as load_pretrained_processor
 
-    try:
-        return AutoProcessor.from_pretrained(name, trust_remote_code=False)
-    except (OSError, ValueError, KeyError, TypeError):
-        return AutoTokenizer.from_pretrained(name, trust_remote_code=False)
+    return load_pretrained_processor(name)
 
 
 def _lcp(a: list[int], b: list[int]) -> int:

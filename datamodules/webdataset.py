@@ -8,7 +8,6 @@ import os
 import tarfile
 import tempfile
 from pathlib import Path
-from typing import Any
 
 import lightning.pytorch as pl
 from webdataset.shardlists import expand_urls

@@ -11,7 +11,6 @@ import torch
 from PIL import Image
 
 from vlm_retrofit.datamodules import (
-    DataQualityCallback,
     DataQualityError,
     ShardError,
     WebDatasetDataModule,

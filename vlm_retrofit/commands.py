@@ -45,7 +45,7 @@ def calibrate_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", default=None, help="adapter folder to write (default: the adapter itself; "
                                                        "for a checkpoint, <name>-adapter beside it)")
     ns = parser.parse_args(argv)
-    from .callbacks import compare_generation, prompts_from_batch
+    from .callbacks import compare_generation, generation_pad_id, prompts_from_batch
     from .datamodules import WebDatasetDataModule, model_inputs
 
     source = Path(ns.model)
@@ -59,8 +59,7 @@ def calibrate_main(argv: list[str] | None = None) -> int:
         print(f"calibrate: no calibration samples in {ns.shards or 'the synthetic val split'}")
         return 1
     tokenizer = getattr(loaded.processor, "tokenizer", loaded.processor)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    prompts = [prompts_from_batch(batch, pad) for batch in batches]
+    prompts = [prompts_from_batch(batch, generation_pad_id(tokenizer)) for batch in batches]
     adapter = loaded.adapter
     for target in ns.target_saving:
         result = calibrate(adapter, [model_inputs(b) for b in batches], target, ns.policy)

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from .backbones import base_fingerprint, unwrap_model
-from .backbones.loading import load_backbone
+from .backbones.loading import load_backbone, load_processor
 from .routing import AdapterMismatchError, RouterAdapter, RouterConfig, attach_routers, check_fingerprint
 from .routing.adapter import CONFIG_NAME, read_adapter_config
 
@@ -105,15 +105,6 @@ def load_adapter_folder(path: str | os.PathLike, base: str | None = None) -> Loa
     return Loaded(model.eval(), processor, adapter, base_model, lora, "adapter")
 
 
-def _load_processor(directory: Path, trust_remote_code: bool) -> Any:
-    import transformers
-
-    try:
-        return transformers.AutoProcessor.from_pretrained(directory, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError, KeyError, TypeError):
-        return transformers.AutoTokenizer.from_pretrained(directory, trust_remote_code=trust_remote_code)
-
-
 def _load_release(directory: Path) -> Loaded:
     config = json.loads((directory / RELEASE_CONFIG).read_text())
     if config.get("format") != RELEASE_FORMAT:
@@ -124,7 +115,8 @@ def _load_release(directory: Path) -> Loaded:
                                          processor_from=str(directory / "processor"))
     else:
         model, _, base_model = _load_base(base_model, None, str(directory))
-        processor = _load_processor(directory / "processor", bool(base_model.get("trust_remote_code")))
+        processor = load_processor(str(directory / "processor"),
+                                   trust_remote_code=bool(base_model.get("trust_remote_code")))
     if (directory / MERGED_LORA).is_file():
         merged = load_file(str(directory / MERGED_LORA))
         own = model.state_dict()

@@ -70,9 +70,17 @@ def load_backbone(name: str, *, trust_remote_code: bool = False, torch_dtype: st
         except ValueError:
             model = transformers.AutoModelForCausalLM.from_pretrained(name, config=config, **load_kw)
     proc_kw = dict(trust_remote_code=trust_remote_code, **{k: v for k, v in kwargs.items() if k == "revision"})
-    source = processor_from or name
+    return model.eval(), load_processor(processor_from or name, **proc_kw)
+
+
+def load_processor(source: str, **kwargs: Any) -> Any:
+    """`AutoProcessor.from_pretrained(source)`, or `AutoTokenizer` for a text-only LM (which has no processor).
+
+    `trust_remote_code` is False unless given in `kwargs`."""
+    import transformers
+
+    kwargs.setdefault("trust_remote_code", False)
     try:
-        processor = transformers.AutoProcessor.from_pretrained(source, **proc_kw)
+        return transformers.AutoProcessor.from_pretrained(source, **kwargs)
     except (OSError, ValueError, KeyError, TypeError):
-        processor = transformers.AutoTokenizer.from_pretrained(source, **proc_kw)
-    return model.eval(), processor
+        return transformers.AutoTokenizer.from_pretrained(source, **kwargs)

@@ -16,6 +16,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
 from ..batch import META_KEYS
+from ..skipping import SkipSimulation
 from ..routing import AdapterMismatchError, RouterConfig, attach_routers, check_fingerprint
 from ..backbones.loading import load_backbone
 from .losses import PENALTIES, compute_penalty, distillation_kl, drop_rate_at, routing_entropies
@@ -39,14 +40,6 @@ def _router_config(router: RouterConfig | Mapping[str, Any] | None) -> RouterCon
     if hasattr(router, "as_dict"):
         return RouterConfig.from_dict(router.as_dict())
     raise TypeError(f"router must be a RouterConfig or a dict of its fields, got {type(router).__name__}")
-
-
-def _skip_simulation_class():
-    try:
-        from ..skipping import SkipSimulation
-    except ImportError:  # the skipping package predates SkipSimulation
-        return None
-    return SkipSimulation
 
 
 @dataclass
@@ -185,7 +178,6 @@ class RetrofitModule(pl.LightningModule):
         self.nonfinite_steps = 0
         self.nonfinite_streak = 0
         self.stop_reason: str | None = None
-        self._warned_no_sim = False
 
     # ------------------------------------------------------------------ structure
     @property
@@ -256,14 +248,8 @@ class RetrofitModule(pl.LightningModule):
         gates = bool(self.hparams.use_gates and self.adapter.config.skip_gate)
         if not self.adapter.layout.skippable_blocks:
             return None
-        cls = _skip_simulation_class()
-        if cls is None:
-            if drop_rate > 0 or gates:
-                raise RuntimeError("skip simulation needs vlm_retrofit.skipping.SkipSimulation, which this "
-                                   "installation lacks; set max_drop_rate: 0 and use_gates: false to train without it")
-            return None
         generator = torch.Generator().manual_seed(seed)  # CPU: the same masks on any device
-        return cls(self.adapter, drop_rate=drop_rate, use_gates=gates, budget=self.hparams.skip_budget,
+        return SkipSimulation(self.adapter, drop_rate=drop_rate, use_gates=gates, budget=self.hparams.skip_budget,
                    generator=generator)
 
     def _forward_logits(self, inputs: dict[str, Any], keep: Tensor | None) -> Tensor:
