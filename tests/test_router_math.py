@@ -76,3 +76,19 @@ def test_skip_gate_starts_near_always_run():
     p = gate(torch.randn(2, 5, 8), 1e-6)
     assert p.shape == (2, 5)
     torch.testing.assert_close(p, torch.full_like(p, torch.sigmoid(torch.tensor(3.0)).item()))
+
+
+def test_stacked_decode_path_equals_the_per_source_loop(monkeypatch):
+    sources = _sources(5, b=2, t=3)
+    router = DepthRouter(8, 5, source_bias=True)
+    with torch.no_grad():
+        router.query.normal_()
+        router.bias.normal_()
+    present = [None, torch.tensor([[True, False, True], [True, True, False]]), None, None,
+               torch.tensor([[False, True, True], [True, True, True]])]
+    assert 2 * 3 <= DepthRouter.stack_max_tokens  # this call takes the stacked path ...
+    stacked = _route(router, sources, present)
+    monkeypatch.setattr(DepthRouter, "stack_max_tokens", 0)  # ... and this one the loop
+    looped = _route(router, sources, present)
+    for a, b in zip(stacked, looped):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)

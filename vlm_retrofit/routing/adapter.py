@@ -108,6 +108,9 @@ class RouterAdapter(nn.Module):
         """Skip thresholds found by calibration: policy -> target saving -> policy settings."""
         self.calibration_metrics: dict[str, dict[str, dict[str, float]]] = {}
         """What calibration measured: policy -> target saving -> {achieved_saving, token_match, ...}."""
+        self.removal_order: list[int] | None = None
+        """Skippable blocks in the order a removal schedule was trained on (cheapest first); static
+        calibration removes a prefix of it. None = untrained for removal (Block Influence decides)."""
         self.base_model: dict[str, Any] = {"name": getattr(unwrap_model(model), "name_or_path", None) or None}
         """How to load the base again: keyword arguments of `vlm_retrofit.backbones.loading.load_backbone`."""
 
@@ -243,6 +246,7 @@ class RouterAdapter(nn.Module):
             "layout": self.layout.to_dict(),
             "calibration": self.calibration,
             "calibration_metrics": self.calibration_metrics,
+            "removal_order": self.removal_order,
             "base_model": self.base_model,
         }
 
@@ -275,6 +279,7 @@ class RouterAdapter(nn.Module):
         adapter.load_state_dict(state)
         adapter.calibration = saved.get("calibration", {})
         adapter.calibration_metrics = saved.get("calibration_metrics", {})
+        adapter.removal_order = saved.get("removal_order")
         adapter.base_model = saved.get("base_model") or adapter.base_model
         return _finish_attach(model, adapter, freeze_base)
 

@@ -19,6 +19,9 @@ class DepthRouter(nn.Module):
     multiplier K (number of sources present) is what makes the retrofit an exact identity at init.
     """
 
+    stack_max_tokens = 64
+    """Calls with at most this many tokens (batch x length) take the stacked path (same value, fewer kernels)."""
+
     def __init__(self, hidden_size: int, num_sources: int, *, source_bias: bool, init_scale: float = 0.0,
                  device: torch.device | str | None = None, generator: torch.Generator | None = None) -> None:
         super().__init__()
@@ -39,9 +42,16 @@ class DepthRouter(nn.Module):
         sources) and the routing weights alpha [K, B, T] (fp32).
         """
         k = len(sources)
+        # Few tokens (decoding): stack the sources and mix them in one kernel each, since per-source kernels
+        # launched from Python would dominate. Many tokens (prefill, training): loop, never holding a [K, B, T, d]
+        # copy of the stream.
+        stacked = sources[0].shape[:-1].numel() <= self.stack_max_tokens
         # q . (g * n) == (q * g) . n: fold the key-norm gain into the query once per call.
         scorer = self.query * self.key_norm_weight
-        logits = torch.stack([n @ scorer for n in normed_sources])  # [K, B, T]
+        if stacked:
+            logits = torch.stack(normed_sources) @ scorer  # [K, B, T]
+        else:
+            logits = torch.stack([n @ scorer for n in normed_sources])
         if self.bias is not None:
             logits = logits + self.bias[:k, None, None]
         count: Tensor | float = float(k)
@@ -50,9 +60,12 @@ class DepthRouter(nn.Module):
             logits = logits.masked_fill(~mask, float("-inf"))
             count = mask.sum(0).to(logits.dtype)  # [B, T]
         alpha = torch.softmax(logits, dim=0)
-        mixed = alpha[0, ..., None] * sources[0].float()
-        for i in range(1, k):
-            mixed = mixed + alpha[i, ..., None] * sources[i].float()
+        if stacked:
+            mixed = torch.einsum("kbt,kbtd->btd", alpha, torch.stack(sources).float())
+        else:
+            mixed = alpha[0, ..., None] * sources[0].float()
+            for i in range(1, k):
+                mixed = mixed + alpha[i, ..., None] * sources[i].float()
         mixed = mixed * (count[..., None] if isinstance(count, Tensor) else count)
         return mixed.to(sources[0].dtype), alpha
 

@@ -1,7 +1,7 @@
 """ReSkip: skip decoder blocks per token from the routing signal, with a kv-only cache path and honest accounting."""
 
 from .accounting import LayerCost, SkipReport
-from .calibrate import CalibrationResult, block_influence, calibrate
+from .calibrate import CalibrationResult, block_influence, calibrate, removal_impact
 from .policies import (
     POLICIES,
     GatePolicy,
@@ -32,4 +32,5 @@ __all__ = [
     "StaticPolicy",
     "kv_only",
     "make_policy",
+    "removal_impact",
 ]

@@ -11,7 +11,7 @@ from torch import Tensor
 
 from ..batch import model_inputs
 from ..routing.adapter import RouterAdapter
-from .policies import POLICIES, SkipPolicy, recent_source_weight
+from .policies import POLICIES, SkipPolicy, StaticPolicy, recent_source_weight
 from .runtime import SkipController
 
 
@@ -96,16 +96,55 @@ def block_influence(adapter: RouterAdapter, batches: Iterable[Mapping[str, Any]]
     return {block: sum(v) / len(v) for block, v in totals.items()}
 
 
+@torch.no_grad()
+def removal_impact(adapter: RouterAdapter, batches: Iterable[Mapping[str, Any]]) -> dict[int, float]:
+    """Each skippable block's single-block removal impact: mean KL(full || block removed alone) per real token.
+
+    The model runs with the adapter as it is (at init: plain layer dropping). Small models are dense and
+    a few blocks are catastrophic to remove (DESIGN §5): rank blocks from data, not from a fixed list.
+    """
+    batches = [model_inputs(b) for b in batches]
+    if not batches:
+        raise ValueError("removal_impact needs at least one batch")
+    model = adapter.model
+    reference = [torch.log_softmax(model(**b).logits.float(), -1) for b in batches]
+    impact: dict[int, float] = {}
+    for block in adapter.layout.skippable_blocks:
+        total = count = 0.0
+        with adapter.skipping(StaticPolicy([block])):
+            for batch, full in zip(batches, reference):
+                removed = torch.log_softmax(model(**batch).logits.float(), -1)
+                kl = (full.exp() * (full - removed)).sum(-1)
+                real = batch.get("attention_mask")
+                real = real.bool() if real is not None and real.shape == kl.shape else torch.ones_like(kl, dtype=torch.bool)
+                total += float(kl[real].sum())
+                count += int(real.sum())
+        impact[block] = total / max(count, 1)
+    return impact
+
+
+def _static_blocks(order: list[int], layout, target_saving: float) -> list[int]:
+    """The shortest prefix of `order` that removes at least `target_saving` of the layers."""
+    chosen, removed = [], 0
+    for block in order:
+        if removed / layout.num_layers >= target_saving - 1e-9:
+            break
+        chosen.append(block)
+        removed += len(layout.layers_of_block(block))
+    return sorted(chosen)
+
+
 def calibrate(adapter: RouterAdapter, batches: Iterable[Mapping[str, Any]], target_saving: float,
               policy: str = "recent_weight", *, per_modality: bool = True, tolerance: float = 0.01,
-              max_iterations: int = 16, store: bool = True) -> CalibrationResult:
+              max_iterations: int = 16, store: bool = True, order: list[int] | None = None) -> CalibrationResult:
     """Find settings of `policy` that skip `target_saving` of all decoder-layer executions on `batches`.
 
     The saving is the token-level fraction of layer executions skipped (what a batch-1 decode saves, before
     the kv-only cost). `recent_weight` and `gate` get one threshold per skippable block, set at the same
     quantile of each block's score distribution (and, with `per_modality`, separately for image and text
     positions); the quantile is found by bisection on runs *with* skipping, since skipping shifts the
-    routing of later blocks. `static` removes the blocks of least Block Influence; `random` sets a rate.
+    routing of later blocks. `static` removes a prefix of `order` (default: the adapter's trained
+    `removal_order`, else the blocks by ascending Block Influence); `random` sets a rate.
     With `store`, the result is kept in `adapter.calibration` (saved with the adapter) and
     `adapter.skipping(policy, target_saving=...)` uses it.
     """
@@ -122,14 +161,11 @@ def calibrate(adapter: RouterAdapter, batches: Iterable[Mapping[str, Any]], targ
         raise ValueError("calibration needs at least one batch")
 
     if policy == "static":
-        influence = block_influence(adapter, batches)
-        chosen, removed = [], 0
-        for block in sorted(layout.skippable_blocks, key=influence.__getitem__):
-            if removed / layout.num_layers >= target_saving - 1e-9:
-                break
-            chosen.append(block)
-            removed += len(layout.layers_of_block(block))
-        settings: dict[str, Any] = {"blocks": sorted(chosen)}
+        order = order if order is not None else adapter.removal_order
+        if order is None:
+            influence = block_influence(adapter, batches)
+            order = sorted(layout.skippable_blocks, key=influence.__getitem__)
+        settings: dict[str, Any] = {"blocks": _static_blocks(list(order), layout, target_saving)}
     elif policy == "random":
         settings = _bisect(adapter, batches, policy, lambda rate: {"rate": rate}, target_saving / reachable,
                            target_saving, tolerance, max_iterations)

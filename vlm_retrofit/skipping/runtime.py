@@ -83,6 +83,7 @@ class SkipController:
         self._image_ids = torch.tensor(sorted(adapter.spec.image_token_ids(unwrap_model(adapter.model).config)))
         self._token_is_image: Tensor | None = None
         self._token_is_real: Tensor | None = None
+        self._real_tokens: int | None = None
 
     # -- context ---------------------------------------------------------------------------------------
     def __enter__(self) -> SkipReport:
@@ -149,6 +150,7 @@ class SkipController:
             state.token_is_real = self._token_is_real
         self._skip.clear()
         self._used = None
+        self._real_tokens = None
         self._forward_counted = False
 
     def decide(self, block: int, state: Any) -> None:
@@ -162,10 +164,12 @@ class SkipController:
     def _record_decision(self, block: int, state: Any, skip: Tensor | None) -> None:
         """Skip rates count real tokens only: padding positions are computed but are nobody's output."""
         real = state.token_is_real
-        if real is None:
-            real = torch.ones(state.routed_input.shape[:-1], dtype=torch.bool, device=state.routed_input.device)
-        skipped = 0 if skip is None else int((skip & real).sum())
-        self.report.record_decision(block, int(real.sum()), skipped)
+        if self._real_tokens is None:  # once per forward: the same for every block
+            self._real_tokens = int(real.sum()) if real is not None else state.routed_input.shape[:-1].numel()
+        skipped = 0
+        if skip is not None:
+            skipped = int((skip & real).sum()) if real is not None else int(skip.sum())
+        self.report.record_decision(block, self._real_tokens, skipped)
 
     def _apply_budget(self, skip: Tensor | None) -> Tensor | None:
         if skip is None or self.budget is None:

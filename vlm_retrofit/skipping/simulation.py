@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 from torch import Tensor
@@ -19,13 +19,20 @@ class SkipSimulation(SkipController):
     0/1 run decision: in value exactly `where(skip, input, layer(input))`, the function cached inference
     uses (invariant 2). With gates, `m = hard + p - p.detach()` carries the straight-through gradient to
     the gate; the skipped block's delta is absent from later routers just as at inference.
+    `removed_blocks` are skipped by every token in this forward (a removal schedule: the routers learn to
+    re-weight around blocks a static policy will remove at inference).
     """
 
     mode = "blend"
 
     def __init__(self, adapter: RouterAdapter, drop_rate: float = 0.0, *, use_gates: bool = True,
-                 budget: int | float | None = None, generator: torch.Generator | None = None) -> None:
+                 budget: int | float | None = None, generator: torch.Generator | None = None,
+                 removed_blocks: Iterable[int] = ()) -> None:
         super().__init__(adapter, policy=None, budget=budget)
+        self.removed_blocks = frozenset(int(b) for b in removed_blocks)
+        if not self.removed_blocks <= self.skippable:
+            raise ValueError(f"removed_blocks {sorted(self.removed_blocks - self.skippable)} are not skippable; "
+                             f"skippable blocks are {sorted(self.skippable)}")
         if not 0.0 <= drop_rate < 1.0:
             raise ValueError(f"drop_rate must be in [0, 1), got {drop_rate}")
         self.drop_rate = float(drop_rate)
@@ -50,6 +57,14 @@ class SkipSimulation(SkipController):
             self._skip[block] = None
             return
         routed = state.routed_input
+        if block in self.removed_blocks:
+            skip = torch.ones(routed.shape[:-1], dtype=torch.bool, device=routed.device)
+            self._skip[block] = skip
+            self._multiplier[block] = torch.zeros(skip.shape, device=routed.device)
+            self.expected_keep[block] = torch.zeros((), device=routed.device)
+            self.realised_keep[block] = 0.0
+            self._record_decision(block, state, skip)
+            return
         run = self._uniform(routed[..., 0]) >= self.drop_rate
         keep_prob = torch.full((), 1.0 - self.drop_rate, device=routed.device)
         gate_prob = None
@@ -66,6 +81,13 @@ class SkipSimulation(SkipController):
         self.expected_keep[block] = keep_prob
         self.realised_keep[block] = 1.0 - float(skip.float().mean())
         self._record_decision(block, state, skip)
+
+    def _layer_forward(self, block: int, layer: Any, parts: Any, original: Any, args: tuple, kwargs: dict) -> Any:
+        removed = block in self.removed_blocks and self.adapter.enabled
+        if removed and kwargs.get("cache", kwargs.get("past_key_values")) is None:
+            # Every token skips and no cache needs its K/V: the layer's output would be multiplied by 0.
+            return args[0] if args else kwargs["hidden_states"]
+        return super()._layer_forward(block, layer, parts, original, args, kwargs)
 
     def _combine(self, block: int, hidden: Tensor, out: Tensor, skip: Tensor) -> Tensor:
         multiplier = self._multiplier[block].to(hidden.dtype)[..., None]

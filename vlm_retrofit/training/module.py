@@ -83,6 +83,8 @@ class RetrofitModule(pl.LightningModule):
         drop_warmup_steps: int = 20,
         use_gates: bool = True,
         skip_budget: float | None = None,
+        removal_order: list[int] | Literal["impact"] | None = None,
+        max_removed_blocks: int = 0,
         compute_target: float | None = None,
         compute_weight: float = 10.0,
         compute_penalty: Literal["hinge", "squared"] = "squared",
@@ -123,6 +125,13 @@ class RetrofitModule(pl.LightningModule):
                 `skip_gate: true`.
             skip_budget: per-token cap on skipped blocks in simulation (an int count or a fraction of the
                 skippable blocks); null = no cap.
+            removal_order: skippable blocks in the order a static policy will remove them (cheapest first), for
+                the removal schedule; `impact` ranks them by single-block removal KL on the first training
+                batch. Saved with the adapter: `calibrate(..., "static")` then removes a prefix of it.
+            max_removed_blocks: removal schedule: each step, every token skips the first k blocks of
+                `removal_order`, k drawn uniformly from 0..max_removed_blocks (validation uses the maximum),
+                so the routers learn to re-weight around blocks that a static policy removes for good.
+                0 = off.
             compute_target: target expected executed fraction of decoder-block compute (e.g. 0.8); null = no
                 compute penalty.
             compute_weight: weight of the compute penalty.
@@ -154,6 +163,12 @@ class RetrofitModule(pl.LightningModule):
             raise ValueError(f"scheduler must be one of {SCHEDULES}, got {scheduler!r}")
         if not 0.0 <= max_drop_rate < 1.0:
             raise ValueError(f"max_drop_rate must be in [0, 1), got {max_drop_rate}")
+        if max_removed_blocks < 0:
+            raise ValueError(f"max_removed_blocks must be >= 0, got {max_removed_blocks}")
+        if max_removed_blocks and removal_order is None:
+            raise ValueError("max_removed_blocks needs a removal_order (a list of blocks, or 'impact')")
+        if isinstance(removal_order, str) and removal_order != "impact":
+            raise ValueError(f"removal_order must be a list of block indices or 'impact', got {removal_order!r}")
         if max_nonfinite_steps < 1:
             raise ValueError(f"max_nonfinite_steps must be >= 1, got {max_nonfinite_steps}")
         self.save_hyperparameters(ignore=["router"])
@@ -174,6 +189,8 @@ class RetrofitModule(pl.LightningModule):
         self.adapter.base_model = {"name": backbone, "kwargs": dict(backbone_kwargs or {}), "torch_dtype": torch_dtype,
                                    "attn_implementation": attn_implementation, "model_class": model_class,
                                    "trust_remote_code": trust_remote_code}
+        if removal_order is not None and not isinstance(removal_order, str):
+            self._set_removal_order(list(removal_order))
         self.strict_loading = False  # checkpoints hold trainable state only; on_load_checkpoint checks it all
         self.nonfinite_steps = 0
         self.nonfinite_streak = 0
@@ -236,6 +253,42 @@ class RetrofitModule(pl.LightningModule):
         inputs = {k: v for k, v in batch.items() if k not in META_KEYS}
         return inputs, batch["loss_mask"].bool()
 
+    def _set_removal_order(self, order: list[int]) -> None:
+        layout = self.adapter.layout
+        order = [int(b) for b in order]
+        bad = sorted(set(b for b in order if b not in layout.skippable_blocks))
+        if bad or len(set(order)) != len(order):
+            raise ValueError(f"removal_order {order} must list distinct skippable blocks; {bad} cannot be skipped "
+                             f"(skippable: {list(layout.skippable_blocks)})")
+        if self.hparams.max_removed_blocks > len(order):
+            raise ValueError(f"max_removed_blocks={self.hparams.max_removed_blocks} exceeds the {len(order)} blocks "
+                             "of removal_order")
+        self.adapter.removal_order = order
+
+    def _ensure_removal_order(self, batch: Mapping[str, Any]) -> None:
+        """`removal_order: impact`: rank the skippable blocks on the first batch seen (rank 0's, broadcast)."""
+        if self.adapter.removal_order is not None or self.hparams.removal_order != "impact":
+            return
+        from ..skipping import removal_impact
+
+        impact = removal_impact(self.adapter, [self.model_inputs(batch)[0]])
+        order = sorted(impact, key=impact.__getitem__)
+        if self._trainer is not None:
+            order = self.trainer.strategy.broadcast(order, src=0)  # every rank trains the same schedule
+        self._set_removal_order(order)
+        log.info("removal order by single-block impact (KL per token): %s",
+                 ", ".join(f"{b}:{impact[b]:.3g}" for b in order))
+
+    def removed_blocks(self, seed: int, *, largest: bool = False) -> list[int]:
+        """Blocks every token skips in one student forward under the removal schedule ([] when it is off)."""
+        k_max, order = int(self.hparams.max_removed_blocks), self.adapter.removal_order
+        if not k_max or not order:
+            return []
+        if largest:
+            return list(order[:k_max])
+        k = int(torch.randint(0, k_max + 1, (), generator=torch.Generator().manual_seed(seed + 1)))
+        return list(order[:k])
+
     def current_drop_rate(self) -> float:
         return drop_rate_at(self.global_step, self.hparams.max_drop_rate, self.hparams.drop_warmup_steps)
 
@@ -243,22 +296,25 @@ class RetrofitModule(pl.LightningModule):
         rank = self.global_rank if self._trainer is not None else 0
         return (int(self.hparams.seed) * 1_000_003 + step * 7_919 + rank * 104_729 + stage * 15_485_863) % (2 ** 62)
 
-    def simulation(self, drop_rate: float, seed: int):
+    def simulation(self, drop_rate: float, seed: int, removed: list[int] | None = None):
         """A `vlm_retrofit.skipping.SkipSimulation` for one student forward (None when nothing can skip)."""
         gates = bool(self.hparams.use_gates and self.adapter.config.skip_gate)
         if not self.adapter.layout.skippable_blocks:
             return None
         generator = torch.Generator().manual_seed(seed)  # CPU: the same masks on any device
         return SkipSimulation(self.adapter, drop_rate=drop_rate, use_gates=gates, budget=self.hparams.skip_budget,
-                   generator=generator)
+                              generator=generator, removed_blocks=removed or ())
 
     def _forward_logits(self, inputs: dict[str, Any], keep: Tensor | None) -> Tensor:
         if keep is not None:
             inputs = {**inputs, "logits_to_keep": keep}
         return self.model(**inputs).logits
 
-    def compute_loss(self, batch: Mapping[str, Any], *, drop_rate: float, seed: int) -> StepOutput:
-        """Teacher and student forwards on `batch`; the student under simulated skipping at `drop_rate`."""
+    def compute_loss(self, batch: Mapping[str, Any], *, drop_rate: float, seed: int,
+                     largest_removal: bool = False) -> StepOutput:
+        """Teacher and student forwards on `batch`; the student under simulated skipping at `drop_rate` (and
+        the removal schedule's blocks: a random prefix, or with `largest_removal` the longest)."""
+        self._ensure_removal_order(batch)
         inputs, mask = self.model_inputs(batch)
         keep = None
         if self.hparams.select_logits:
@@ -268,7 +324,7 @@ class RetrofitModule(pl.LightningModule):
                 mask = mask[:, keep]
         with self.teacher():
             teacher_logits = self._forward_logits(inputs, keep)
-        sim = self.simulation(drop_rate, seed)
+        sim = self.simulation(drop_rate, seed, self.removed_blocks(seed, largest=largest_removal))
         if sim is None:
             student_logits = self._forward_logits(inputs, keep)
         else:
@@ -367,7 +423,7 @@ class RetrofitModule(pl.LightningModule):
     def _eval_step(self, prefix: str, batch: Mapping[str, Any], batch_idx: int, dataloader_idx: int = 0) -> Tensor:
         # Evaluation always at the full drop rate, with masks fixed per batch: comparable across the run.
         out = self.compute_loss(batch, drop_rate=self.hparams.max_drop_rate,
-                                seed=self._step_seed(batch_idx, 1 + dataloader_idx))
+                                seed=self._step_seed(batch_idx, 1 + dataloader_idx), largest_removal=True)
         self._log_step(prefix, out, on_step=False)
         return out.loss
 
@@ -378,7 +434,8 @@ class RetrofitModule(pl.LightningModule):
         return self._eval_step("test", batch, batch_idx, dataloader_idx)
 
     def predict_step(self, batch: Mapping[str, Any], batch_idx: int, dataloader_idx: int = 0) -> dict[str, Any]:
-        out = self.compute_loss(batch, drop_rate=self.hparams.max_drop_rate, seed=self._step_seed(batch_idx, 9))
+        out = self.compute_loss(batch, drop_rate=self.hparams.max_drop_rate, seed=self._step_seed(batch_idx, 9),
+                                largest_removal=True)
         return {"kl": float(out.kl), "compute_realised": out.realised_compute, "keep_realised": out.realised_keep,
                 "tokens": out.tokens}
 
@@ -405,6 +462,7 @@ class RetrofitModule(pl.LightningModule):
             "router_config": self.adapter.config.to_dict(),
             "layout": self.adapter.layout.to_dict(),
             "lora": self.hparams.lora,
+            "removal_order": self.adapter.removal_order,
             "trainable_keys": sorted(self.trainable_keys()),
             "nonfinite_steps": self.nonfinite_steps,
             "nonfinite_streak": self.nonfinite_streak,
@@ -440,6 +498,8 @@ class RetrofitModule(pl.LightningModule):
         if meta.get("router_config") != self.adapter.config.to_dict():
             rank_zero_warn(f"resuming with a different router config than the checkpoint's: saved "
                            f"{meta.get('router_config')}, now {self.adapter.config.to_dict()}")
+        if meta.get("removal_order") is not None:
+            self._set_removal_order(meta["removal_order"])  # a resumed run keeps the schedule it started with
         self.nonfinite_steps = int(meta.get("nonfinite_steps", 0))
         self.nonfinite_streak = int(meta.get("nonfinite_streak", 0))
 

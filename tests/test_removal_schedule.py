@@ -1,0 +1,113 @@
+"""Removal schedule: routers trained to re-weight around blocks a static policy removes; impact ranking; persistence."""
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from vlm_retrofit import RouterAdapter, calibrate
+from vlm_retrofit.skipping import removal_impact
+from vlm_retrofit.training import FixedBatchDataModule, RetrofitModule
+
+LAYERS = {"num_hidden_layers": 6}
+
+
+def _batches(n=2, seed=0):
+    dm = FixedBatchDataModule(processor="tiny:llama", num_batches=n, val_batches=0, batch_size=2, seed=seed)
+    dm.setup()
+    return dm.train_batches
+
+
+def _trainer(max_steps, **kw):
+    return pl.Trainer(max_steps=max_steps, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                      limit_val_batches=0, **kw)
+
+
+def test_removed_blocks_in_simulation_equal_the_static_policy():
+    module = RetrofitModule(backbone="tiny:llama", backbone_kwargs=LAYERS, removal_order=[3, 2, 1],
+                            max_removed_blocks=2, max_drop_rate=0.0)
+    with torch.no_grad():
+        for router in module.adapter.routers.values():
+            router.query.normal_(0, 0.3)
+    inputs, _ = module.model_inputs(_batches(1)[0])
+    removed = module.removed_blocks(0, largest=True)
+    assert removed == [3, 2]
+    sim = module.simulation(0.0, seed=0, removed=removed)
+    with torch.no_grad(), sim:
+        simulated = module.model(**inputs).logits
+    with torch.no_grad(), module.adapter.skipping("static", blocks=removed):
+        static = module.model(**inputs).logits
+    with torch.no_grad():
+        full = module.model(**inputs).logits
+    torch.testing.assert_close(simulated, static, atol=1e-5, rtol=0)
+    assert (simulated - full).abs().max() > 1e-3  # the blocks really were removed
+    assert all(sim.realised_keep[b] == 0.0 for b in removed)
+
+
+def test_schedule_draws_prefixes_deterministically_and_validates():
+    module = RetrofitModule(backbone="tiny:llama", backbone_kwargs=LAYERS, removal_order=[4, 1, 2, 3],
+                            max_removed_blocks=3)
+    drawn = [module.removed_blocks(seed) for seed in range(40)]
+    assert drawn == [module.removed_blocks(seed) for seed in range(40)]  # resumable: a function of the seed
+    assert {len(d) for d in drawn} == {0, 1, 2, 3}
+    assert all(d == [4, 1, 2, 3][:len(d)] for d in drawn)
+    with pytest.raises(ValueError, match="cannot be skipped"):
+        RetrofitModule(backbone="tiny:llama", backbone_kwargs=LAYERS, removal_order=[0, 1], max_removed_blocks=1)
+    with pytest.raises(ValueError, match="exceeds"):
+        RetrofitModule(backbone="tiny:llama", backbone_kwargs=LAYERS, removal_order=[1], max_removed_blocks=2)
+    with pytest.raises(ValueError, match="needs a removal_order"):
+        RetrofitModule(backbone="tiny:llama", backbone_kwargs=LAYERS, max_removed_blocks=2)
+
+
+def test_removal_impact_ranks_blocks_and_static_calibration_follows_the_trained_order():
+    module = RetrofitModule(backbone="tiny:llama", backbone_kwargs=LAYERS)
+    adapter = module.adapter
+    batches = [module.model_inputs(b)[0] for b in _batches(2)]
+    impact = removal_impact(adapter, batches)
+    assert set(impact) == set(adapter.layout.skippable_blocks)
+    assert all(v > 0 for v in impact.values())
+    # Removing one block alone: the KL of the static policy with that block, averaged over real tokens.
+    block = max(impact, key=impact.__getitem__)
+    with torch.no_grad():
+        full = torch.log_softmax(adapter.model(**batches[0]).logits, -1)
+        with adapter.skipping("static", blocks=[block]):
+            removed = torch.log_softmax(adapter.model(**batches[0]).logits, -1)
+    assert float((full.exp() * (full - removed)).sum(-1).mean()) > 0
+
+    adapter.removal_order = [4, 3, 2, 1]
+    result = calibrate(adapter, batches, 2 / 6, "static", store=False)
+    assert result.settings == {"blocks": [3, 4]}
+    assert calibrate(adapter, batches, 1 / 6, "static", store=False, order=[2, 1]).settings == {"blocks": [2]}
+
+
+def test_impact_order_is_found_trained_saved_and_restored(tmp_path):
+    module = RetrofitModule(backbone="tiny:llama", backbone_kwargs=LAYERS, removal_order="impact",
+                            max_removed_blocks=2, max_drop_rate=0.0, lr=3e-2, warmup_steps=0, scheduler="constant")
+    data = FixedBatchDataModule(processor="tiny:llama", num_batches=2, val_batches=0, batch_size=2)
+    batch = _batches(1)[0]
+    with torch.no_grad():
+        before = module.compute_loss(batch, drop_rate=0.0, seed=0, largest_removal=True).kl
+    order = list(module.adapter.removal_order)
+    impact = removal_impact(module.adapter, [module.model_inputs(batch)[0]])
+    assert order == sorted(impact, key=impact.__getitem__)
+
+    _trainer(60).fit(module, data)
+    with torch.no_grad():
+        after = module.compute_loss(batch, drop_rate=0.0, seed=0, largest_removal=True).kl
+    assert after < 0.85 * before  # the routers learned to compensate for the removed blocks
+    assert module.adapter.removal_order == order
+
+    module.save_adapter(tmp_path / "adapter")
+    fresh = RetrofitModule(backbone="tiny:llama", backbone_kwargs=LAYERS)
+    fresh.adapter.detach()
+    loaded = RouterAdapter.from_pretrained(fresh.model, tmp_path / "adapter")
+    assert loaded.removal_order == order
+    blocks = calibrate(loaded, [module.model_inputs(batch)[0]], 2 / 6, "static", store=False).settings["blocks"]
+    assert blocks == sorted(order[:2])
+
+    # A resumed module restores the schedule from the checkpoint, whatever its own argument says.
+    checkpoint = {"state_dict": module.trainable_state_dict(), "vlm_retrofit": module.checkpoint_metadata()}
+    resumed = RetrofitModule(backbone="tiny:llama", backbone_kwargs=LAYERS, removal_order="impact",
+                             max_removed_blocks=2)
+    resumed.on_load_checkpoint(checkpoint)
+    assert resumed.adapter.removal_order == order
