@@ -270,3 +270,33 @@ def test_nonfinite_streak_stops_training_with_a_message():
         trainer.fit(module, dm)
     assert module.nonfinite_steps == 3 and trainer.global_step == 3
     assert "non-finite 3 steps in a row" in module.stop_reason
+
+
+def test_query_lr_scale_puts_queries_in_their_own_group():
+    module = RetrofitModule(backbone="tiny:qwen2_vl", router={"skip_gate": True}, lr=1e-2, query_lr_scale=0.125)
+    groups = module.configure_optimizers()["optimizer"].param_groups
+    queries = {id(r.query) for r in module.adapter.routers.values()} | {id(g.query) for g in module.adapter.gates.values()}
+    by_lr = {}
+    for group in groups:
+        for param in group["params"]:
+            by_lr[id(param)] = group["initial_lr"]  # the scheduler scales "lr" during warmup
+    assert {by_lr[q] for q in queries} == {1e-2 * 0.125}
+    assert {lr for key, lr in by_lr.items() if key not in queries} == {1e-2}
+    with pytest.raises(ValueError, match="query_lr_scale"):
+        RetrofitModule(backbone="tiny:qwen2_vl", query_lr_scale=0.0).configure_optimizers()
+
+
+def test_distill_positions_text_covers_prompts_but_not_images_or_padding():
+    batch = _batch("qwen2_vl", batch_size=2)
+    response = RetrofitModule(backbone="tiny:qwen2_vl")
+    text = RetrofitModule(backbone="tiny:qwen2_vl", distill_positions="text")
+    _, answer_mask = response.model_inputs(batch)
+    inputs, text_mask = text.model_inputs(batch)
+    image_ids = response.adapter.spec.image_token_ids(response.model.config)
+    is_image = torch.isin(inputs["input_ids"], torch.tensor(sorted(image_ids)))
+    assert is_image.any() and not (text_mask & is_image).any()
+    assert not (text_mask & ~inputs["attention_mask"].bool()).any()
+    assert text_mask.sum() > answer_mask.sum()
+    assert torch.isfinite(text.compute_loss(batch, drop_rate=0.3, seed=0).loss)
+    with pytest.raises(ValueError, match="distill_positions"):
+        RetrofitModule(backbone="tiny:qwen2_vl", distill_positions="all")

@@ -18,6 +18,7 @@ from torch import Tensor
 from ..batch import META_KEYS
 from ..skipping import SkipSimulation
 from ..routing import AdapterMismatchError, RouterConfig, attach_routers, check_fingerprint
+from ..backbones import unwrap_model
 from ..backbones.loading import load_backbone
 from .losses import PENALTIES, compute_penalty, distillation_kl, drop_rate_at, routing_entropies
 from .optim import SCHEDULES, build_optimizer, lr_lambda
@@ -79,6 +80,7 @@ class RetrofitModule(pl.LightningModule):
         model_class: str | None = None,
         backbone_kwargs: dict[str, Any] | None = None,
         temperature: float = 1.0,
+        distill_positions: Literal["response", "text"] = "response",
         max_drop_rate: float = 0.25,
         drop_warmup_steps: int = 20,
         use_gates: bool = True,
@@ -90,6 +92,7 @@ class RetrofitModule(pl.LightningModule):
         compute_penalty: Literal["hinge", "squared"] = "squared",
         optimizer: str = "AdamW",
         lr: float = 1e-2,
+        query_lr_scale: float = 1.0,
         weight_decay: float = 0.0,
         optimizer_kwargs: dict[str, Any] | None = None,
         scheduler: Literal["cosine", "linear", "constant"] = "cosine",
@@ -119,6 +122,9 @@ class RetrofitModule(pl.LightningModule):
             backbone_kwargs: extra `from_pretrained` keywords (e.g. revision); for `tiny:` backbones text-config
                 overrides such as `num_hidden_layers`.
             temperature: distillation temperature T (the KL is scaled by T^2).
+            distill_positions: where the KL is taken: `response` = the datamodule's `loss_mask` (the answer
+                tokens); `text` = every real, non-image position (prompts too: many more positions per batch
+                for short answers such as captions).
             max_drop_rate: per-token probability of skipping each skippable block, reached after the ramp.
             drop_warmup_steps: optimizer steps of the linear drop-rate ramp from 0 to `max_drop_rate`.
             use_gates: sample run/skip from the learned gates (straight-through) when the router config has
@@ -139,6 +145,10 @@ class RetrofitModule(pl.LightningModule):
                 `hinge` = weight * relu(expected - target) (only penalises running more than the target).
             optimizer: `torch.optim` class name (or dotted path) used on the trainable parameters only.
             lr: peak learning rate.
+            query_lr_scale: learning-rate multiplier of the router and gate pseudo-queries. An Adam step moves
+                every coordinate of a d-dimensional query by ~lr, so a routing logit moves by up to ~lr * d per
+                step against lr for a bias; 1/sqrt(d) or less keeps large backbones' routers from swinging away
+                from identity in the first steps.
             weight_decay: decoupled weight decay on router queries / gate queries / LoRA matrices (norm gains
                 and biases are never decayed).
             optimizer_kwargs: further optimizer keywords (e.g. `{betas: [0.9, 0.95]}`).
@@ -163,6 +173,8 @@ class RetrofitModule(pl.LightningModule):
             raise ValueError(f"scheduler must be one of {SCHEDULES}, got {scheduler!r}")
         if not 0.0 <= max_drop_rate < 1.0:
             raise ValueError(f"max_drop_rate must be in [0, 1), got {max_drop_rate}")
+        if distill_positions not in ("response", "text"):
+            raise ValueError(f"distill_positions must be 'response' or 'text', got {distill_positions!r}")
         if max_removed_blocks < 0:
             raise ValueError(f"max_removed_blocks must be >= 0, got {max_removed_blocks}")
         if max_removed_blocks and removal_order is None:
@@ -251,7 +263,14 @@ class RetrofitModule(pl.LightningModule):
         if "loss_mask" not in batch:
             raise KeyError("batch has no 'loss_mask': the datamodule must mark the positions to distil on")
         inputs = {k: v for k, v in batch.items() if k not in META_KEYS}
-        return inputs, batch["loss_mask"].bool()
+        if self.hparams.distill_positions == "response":
+            return inputs, batch["loss_mask"].bool()
+        ids = inputs["input_ids"]
+        mask = inputs["attention_mask"].bool() if "attention_mask" in inputs else torch.ones_like(ids, dtype=torch.bool)
+        image_ids = sorted(self.adapter.spec.image_token_ids(unwrap_model(self.model).config))
+        if image_ids:
+            mask = mask & ~torch.isin(ids, torch.tensor(image_ids, device=ids.device))
+        return inputs, mask
 
     def _set_removal_order(self, order: list[int]) -> None:
         layout = self.adapter.layout
@@ -441,7 +460,8 @@ class RetrofitModule(pl.LightningModule):
 
     def configure_optimizers(self) -> dict[str, Any]:
         hp = self.hparams
-        optimizer = build_optimizer(self.named_parameters(), hp.optimizer, hp.lr, hp.weight_decay, hp.optimizer_kwargs)
+        optimizer = build_optimizer(self.named_parameters(), hp.optimizer, hp.lr, hp.weight_decay, hp.optimizer_kwargs,
+                                    query_lr_scale=hp.query_lr_scale)
         total = hp.total_steps
         if total is None and self._trainer is not None:
             estimate = self.trainer.estimated_stepping_batches

@@ -29,16 +29,29 @@ def _decays(name: str, param: torch.Tensor) -> bool:
     return param.ndim > 0 and leaf not in ("bias", "key_norm_weight", "norm_weight") and not leaf.endswith("norm")
 
 
-def parameter_groups(named: Iterable[tuple[str, nn.Parameter]], weight_decay: float) -> list[dict[str, Any]]:
-    """Two groups of the parameters that require grad: with and without weight decay."""
-    decay, no_decay = [], []
+def _is_query(name: str) -> bool:
+    return name.rsplit(".", 1)[-1] == "query"  # router pseudo-queries and gate queries
+
+
+def parameter_groups(named: Iterable[tuple[str, nn.Parameter]], weight_decay: float, lr: float = 1e-3,
+                     query_lr_scale: float = 1.0) -> list[dict[str, Any]]:
+    """The parameters that require grad, grouped: decayed, router/gate queries (decayed, lr x `query_lr_scale`),
+    and not decayed (biases, norm gains)."""
+    decay, queries, no_decay = [], [], []
     for name, param in named:
         if not param.requires_grad:
             continue
-        (decay if _decays(name, param) else no_decay).append(param)
+        if not _decays(name, param):
+            no_decay.append(param)
+        elif _is_query(name) and query_lr_scale != 1.0:
+            queries.append(param)
+        else:
+            decay.append(param)
     groups = []
     if decay:
         groups.append({"params": decay, "weight_decay": weight_decay})
+    if queries:
+        groups.append({"params": queries, "weight_decay": weight_decay, "lr": lr * query_lr_scale})
     if no_decay:
         groups.append({"params": no_decay, "weight_decay": 0.0})
     if not groups:
@@ -47,8 +60,11 @@ def parameter_groups(named: Iterable[tuple[str, nn.Parameter]], weight_decay: fl
 
 
 def build_optimizer(named: Iterable[tuple[str, nn.Parameter]], name: str = "AdamW", lr: float = 1e-3,
-                    weight_decay: float = 0.0, kwargs: dict[str, Any] | None = None) -> torch.optim.Optimizer:
-    return optimizer_class(name)(parameter_groups(named, weight_decay), lr=lr, **(kwargs or {}))
+                    weight_decay: float = 0.0, kwargs: dict[str, Any] | None = None,
+                    query_lr_scale: float = 1.0) -> torch.optim.Optimizer:
+    if query_lr_scale <= 0:
+        raise ValueError(f"query_lr_scale must be > 0, got {query_lr_scale}")
+    return optimizer_class(name)(parameter_groups(named, weight_decay, lr, query_lr_scale), lr=lr, **(kwargs or {}))
 
 
 def lr_lambda(schedule: str, warmup_steps: int, total_steps: int | None, min_lr_ratio: float) -> Callable[[int], float]:
