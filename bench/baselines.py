@@ -1,4 +1,4 @@
-"""Baselines at matched compute: greedy static removal by single-layer impact, and the per-token update oracle."""
+"""The per-token update oracle: a bound-like reference at matched skip rates (static baselines live in calibrate)."""
 
 from __future__ import annotations
 
@@ -7,27 +7,6 @@ from typing import Any, Iterable, Iterator
 
 import torch
 from torch import Tensor
-
-from vlm_retrofit.skipping import StaticPolicy
-
-from .evaluate import perplexity
-
-
-def single_block_impact(model, adapter, chunks: list[Tensor]) -> dict[int, float]:
-    """Perplexity with each skippable block removed alone (routers at init: plain layer dropping)."""
-    return {block: perplexity(model, chunks, lambda b=block: adapter.skipping(StaticPolicy([b])))
-            for block in adapter.layout.skippable_blocks}
-
-
-def greedy_static_blocks(impact: dict[int, float], layout, target: float) -> list[int]:
-    """The least harmful blocks, one by one, until `target` of the layers is removed."""
-    chosen, removed = [], 0
-    for block in sorted(impact, key=impact.__getitem__):
-        if removed / layout.num_layers >= target - 1e-9:
-            break
-        chosen.append(block)
-        removed += len(layout.layers_of_block(block))
-    return sorted(chosen)
 
 
 class UpdateOracle:

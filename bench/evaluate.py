@@ -29,9 +29,11 @@ def perplexity(model, chunks: Iterable[Tensor], method: Method) -> float:
 @torch.no_grad()
 def greedy(model, inputs: dict[str, Any], max_new_tokens: int, method: Method, pad_token_id: int) -> tuple[Tensor, Any, float]:
     """Greedy continuation under `method`: (new tokens [B, N], the method's report or None, seconds)."""
+    _sync()
     start = time.perf_counter()
     with method() as report:
         out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad_token_id)
+    _sync()
     return out[:, inputs["input_ids"].shape[1]:], report, time.perf_counter() - start
 
 
@@ -70,13 +72,21 @@ def decode_speed(model, inputs: dict[str, Any], method: Method, pad_token_id: in
     """Generated tokens per second (best of `repeats`), min_new_tokens forcing a fixed length."""
     best = 0.0
     for _ in range(repeats):
+        _sync()
         start = time.perf_counter()
         with method():
             model.generate(**inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                            pad_token_id=pad_token_id)
+        _sync()
         seconds = time.perf_counter() - start
         best = max(best, inputs["input_ids"].shape[0] * new_tokens / seconds)
     return best
+
+
+def _sync() -> None:
+    # GPU kernels run asynchronously: a wall-clock reading must wait for them.
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
 
 
 def nullmethod() -> ContextManager[Any]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import resource
 import time
@@ -32,6 +33,14 @@ class Variant:
 
 
 VARIANTS = {
+    # Routers trained under a removal schedule (a random prefix of the removal order skipped by every token),
+    # evaluated with the static policy removing a prefix of that same order: the routers re-weight around the gap.
+    "routed_static": Variant("routed_static", "static", {"block_size": 1},
+                             {"use_gates": False, "max_drop_rate": 0.0, "lr": 2e-3}),
+    "routed_static_lora": Variant("routed_static_lora", "static", {"block_size": 1},
+                                  {"use_gates": False, "max_drop_rate": 0.0, "lr": 2e-3,
+                                   "lora": {"r": 8, "lora_alpha": 16,
+                                            "target_modules": r".*language_model.*\.(q_proj|v_proj|o_proj)"}}),
     "gate": Variant("gate", "gate", {"block_size": 1, "skip_gate": True},
                     {"use_gates": True, "max_drop_rate": 0.1, "compute_target": 0.7, "compute_weight": 5.0}),
     "recent_weight": Variant("recent_weight", "recent_weight", {"block_size": 1},
@@ -47,40 +56,56 @@ def _peak_rss_mb() -> float:
 
 
 # -- training -----------------------------------------------------------------------------------------------
-def train_variant(variant: Variant, backbone: str, shards: dict[str, Any], minutes: float, batch_size: int) -> dict:
-    """Distil one router variant within a wall-clock budget; the adapter lands in RUNS/<name>/adapter."""
+def train_variant(variant: Variant, backbone: str, shards: dict[str, Any], minutes: float, batch_size: int, *,
+                  removal_order: list[int], max_removed_blocks: int, runs: Path = RUNS, device: str = "cpu",
+                  dtype: str | None = None) -> dict:
+    """Distil one router variant within a wall-clock budget; the adapter lands in RUNS/<name>/adapter.
+
+    Variants evaluated with the static policy train under the removal schedule over `removal_order`.
+    """
     import lightning.pytorch as pl
 
     from vlm_retrofit.datamodules import WebDatasetDataModule
     from vlm_retrofit.training import RetrofitModule
 
-    out = RUNS / variant.name
+    out = runs / variant.name
     info_path = out / "train_info.json"
     if info_path.is_file():
         return json.loads(info_path.read_text())
-    module_args = dict(variant.module)
+    module_args = {"lr": 5e-3, "warmup_steps": 20, "scheduler": "constant", **variant.module}
+    if variant.policy == "static":
+        module_args.update(removal_order=removal_order, max_removed_blocks=max_removed_blocks)
     module = RetrofitModule(backbone=backbone, model_class="bench.efficientnet_tower.LlavaForConditionalGeneration",
-                            router=variant.router, lr=5e-3, warmup_steps=20, scheduler="constant", **module_args)
+                            router=variant.router, torch_dtype=dtype, **module_args)
     data = WebDatasetDataModule(processor=backbone, train_shards=shards["train"], val_shards=shards["val"],
                                 batch_size=batch_size, num_workers=1, max_length=384, train_samples_per_epoch=100000,
                                 add_quality_callback=True)
     timings: list[float] = []
+    kl_curve: list[float] = []
 
     class StepTimer(pl.Callback):
         def on_train_batch_start(self, *args):
             self.start = time.perf_counter()
 
-        def on_train_batch_end(self, *args):
+        def on_train_batch_end(self, trainer, *args):
             timings.append(time.perf_counter() - self.start)
+            kl = trainer.callback_metrics.get("train/kl")
+            kl_curve.append(float(kl) if kl is not None else float("nan"))
 
     trainer = pl.Trainer(max_time={"minutes": minutes}, max_steps=100000, limit_val_batches=0, logger=False,
+                         accelerator="gpu" if device.startswith("cuda") else "cpu", devices=1,
                          enable_checkpointing=False, enable_progress_bar=False, callbacks=[StepTimer()],
                          default_root_dir=out, log_every_n_steps=10)
     trainer.fit(module, data)
     module.save_adapter(out / "adapter")
     steady = timings[5:] or timings
-    info = {"steps": trainer.global_step, "minutes": minutes, "batch_size": batch_size,
+    info = {"steps": trainer.global_step, "minutes": minutes, "batch_size": batch_size, "lr": module_args["lr"],
+            "removal_order": module.adapter.removal_order, "max_removed_blocks": module.hparams.max_removed_blocks,
+            "device": device, "dtype": dtype or "float32",
             "step_seconds": sum(steady) / max(1, len(steady)), "peak_rss_mb": _peak_rss_mb(),
+            # Mean training KL per tenth of the run (the removal prefix is random per step: read the trend).
+            "kl_curve": [sum(part) / len(part) for part in (kl_curve[i * len(kl_curve) // 10:(i + 1) * len(kl_curve) // 10]
+                                                           for i in range(10)) if part],
             "final_metrics": {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}}
     info_path.write_text(json.dumps(info, indent=2))
     return info
@@ -93,8 +118,7 @@ class EvalSet:
     references: list[str]
     batch8: dict[str, Any]              # a left-padded batch of 8 prompts for decode speed
     text_chunks: list[torch.Tensor]     # held-out Austen token chunks for perplexity
-    calibration: list[dict[str, Any]]   # caption + text batches from the val splits
-    impact_chunks: list[torch.Tensor]   # val text chunks for single-layer impact (static greedy)
+    calibration: list[dict[str, Any]]   # caption + text batches from the val splits (also rank blocks for removal)
 
 
 class Bench:
@@ -176,25 +200,49 @@ def _record(method: str, target: float, metrics: dict[str, Any], **extra: Any) -
     return {"method": method, "target": target, **{k: merged.get(k) for k in keys}, **merged}
 
 
-def sweep(bench: Bench, targets: list[float], variants: list[Variant], speed_target: float,
-          log: Callable[[str], None]) -> tuple[list[dict[str, Any]], float | None]:
+def rank_blocks(model, calibration: list[dict[str, Any]], runs: Path, log: Callable[[str], None]) -> list[int]:
+    """Skippable blocks by single-block removal impact (KL on the val calibration batches), cached on disk.
+
+    One order serves static greedy removal and the removal schedule of the `routed_static` variants, so at
+    init those variants *are* static greedy removal: any difference is what training the routers bought.
+    """
+    from vlm_retrofit import RouterConfig, attach_routers
+    from vlm_retrofit.skipping import removal_impact
+
+    path = runs / "removal_order.json"
+    if path.is_file():
+        return json.loads(path.read_text())["order"]
+    identity = attach_routers(model, RouterConfig(block_size=1))
+    impact = removal_impact(identity, calibration)
+    identity.detach()
+    order = sorted(impact, key=impact.__getitem__)
+    log("single-block removal impact (KL per token, val): " + ", ".join(f"{b}:{impact[b]:.3f}" for b in order))
+    runs.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"order": order, "impact": impact}, indent=2) + "\n")
+    return order
+
+
+def sweep(bench: Bench, targets: list[float], variants: list[Variant], speed_target: float, removal_order: list[int],
+          load_model: Callable[[], Any], runs: Path, log: Callable[[str], None]) -> tuple[list[dict[str, Any]], float | None]:
     """Every method at every target, one record each; plus the router overhead with skipping off."""
     from vlm_retrofit import RouterAdapter, RouterConfig, attach_routers, calibrate
 
-    from .baselines import UpdateOracle, greedy_static_blocks, single_block_impact
+    from .baselines import UpdateOracle
 
     model, data, records = bench.model, bench.data, []
     overhead = None
     for variant in variants:
-        adapter_dir = RUNS / variant.name / "adapter"
+        adapter_dir = runs / variant.name / "adapter"
         lora_dir = adapter_dir / "lora"
         target_model = model
         if lora_dir.is_dir():
+            # As shipped: LoRA merged into a copy of the base (`merge --merge-lora`); references stay the base's.
             from peft import PeftModel
 
-            target_model = PeftModel.from_pretrained(model, lora_dir)
+            target_model = PeftModel.from_pretrained(load_model(), lora_dir).merge_and_unload().eval()
+            bench.model = target_model
         adapter = RouterAdapter.from_pretrained(target_model, adapter_dir)
-        bench.base_method = adapter.disabled  # LoRA stays on in it: overhead and speed compare skipping alone
+        bench.base_method = adapter.disabled  # merged LoRA stays in it: speed ratios compare skipping alone
         if overhead is None and target_model is model:
             # Retrofit time ÷ base time with skipping off: routers attached vs disabled, measured alternately.
             overhead = 1.0 / bench.speed_ratio(data.captions[0], nullmethod, rounds=3)
@@ -208,19 +256,16 @@ def sweep(bench: Bench, targets: list[float], variants: list[Variant], speed_tar
             records.append(_record(f"ours-{variant.name}", target, metrics))
             log(f"ours-{variant.name} @ {target:.2f}: {records[-1]}")
         adapter.detach()
-        if target_model is not model:
-            target_model.unload()
+        bench.model = model
+        del target_model
     bench.base_method = nullmethod
 
     identity = attach_routers(model, RouterConfig(block_size=1))  # routers at init: plain layer dropping
     bench.base_method = identity.disabled
-    impact = single_block_impact(model, identity, data.impact_chunks)
-    log(f"single-block impact (val perplexity): {impact}")
     layout = identity.layout
     for target in targets:
-        for name, settings in (("static-block-influence", calibrate(identity, data.calibration, target, "static",
-                                                                    store=False, tolerance=bench.tolerance).settings),
-                               ("static-greedy-impact", {"blocks": greedy_static_blocks(impact, layout, target)})):
+        for name, order in (("static-block-influence", None), ("static-greedy-impact", removal_order)):
+            settings = calibrate(identity, data.calibration, target, "static", store=False, order=order).settings
             metrics = bench.measure(lambda s=settings: identity.skipping("static", **s), speed=target == speed_target)
             records.append(_record(name, target, metrics, blocks=settings["blocks"]))
             log(f"{name} @ {target:.2f}: {records[-1]}")
@@ -317,7 +362,7 @@ def build_eval_set(processor, manifest: dict[str, Any], args) -> EvalSet:
     from vlm_retrofit.batch import model_inputs
     from vlm_retrofit.datamodules import WebDatasetDataModule
 
-    from .data import austen_split, tuxpaint_split
+    from .data import tuxpaint_split
     from .real_vlm import load_image
 
     tokenizer = getattr(processor, "tokenizer", processor)
@@ -333,26 +378,33 @@ def build_eval_set(processor, manifest: dict[str, Any], args) -> EvalSet:
         for batch, _ in zip(data.val_dataloader(), range(args.calibration_batches)):
             calibration.append(model_inputs(batch))
     text = Path(manifest["austen_test"]["path"]).read_text()
-    return EvalSet(captions=captions, references=[caption for _, caption in test],
-                   batch8=_prompt_inputs(processor, (images * 8)[:8]),
-                   text_chunks=_chunks(tokenizer, text, args.chunk_tokens, args.text_chunks),
-                   calibration=calibration,
-                   impact_chunks=_chunks(tokenizer, "\n\n".join(austen_split("val")), args.chunk_tokens, 2))
+    def to(inputs: dict[str, Any]) -> dict[str, Any]:
+        return {k: v.to(args.device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+
+    return EvalSet(captions=[to(c) for c in captions], references=[caption for _, caption in test],
+                   batch8=to(_prompt_inputs(processor, (images * 8)[:8])),
+                   text_chunks=[c.to(args.device) for c in _chunks(tokenizer, text, args.chunk_tokens, args.text_chunks)],
+                   calibration=[to(b) for b in calibration])
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__)
-    parser.add_argument("--variants", nargs="+", default=["gate", "recent_weight", "gate_lora"], choices=sorted(VARIANTS))
-    parser.add_argument("--train-minutes", type=float, default=6.0, help="distillation budget per variant (wall clock)")
+    parser.add_argument("--variants", nargs="+", default=["routed_static", "routed_static_lora", "gate", "recent_weight"],
+                        choices=sorted(VARIANTS))
+    parser.add_argument("--train-minutes", type=float, default=15.0, help="distillation budget per variant (wall clock)")
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--targets", type=float, nargs="+", default=[0.1, 0.2, 0.3],
                         help="fractions of decoder-layer executions to skip (matched across methods)")
     parser.add_argument("--speed-target", type=float, default=0.2, help="target at which decode speed is measured")
-    parser.add_argument("--caption-samples", type=int, default=35, help="test images for agreement / ROUGE-L")
+    parser.add_argument("--caption-samples", type=int, default=20, help="test images for agreement / ROUGE-L")
     parser.add_argument("--new-tokens", type=int, default=16)
-    parser.add_argument("--text-chunks", type=int, default=12, help="held-out Austen chunks for perplexity")
+    parser.add_argument("--text-chunks", type=int, default=8, help="held-out Austen chunks for perplexity")
     parser.add_argument("--chunk-tokens", type=int, default=256)
     parser.add_argument("--calibration-batches", type=int, default=2, help="per modality, from the val splits")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (training and every measurement)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="dtype of the frozen weights (routers stay fp32)")
+    parser.add_argument("--runs", default=str(RUNS), help="trained adapters (reused when present: delete to retrain)")
     parser.add_argument("--out", default=str(ROOT), help="where RESULTS.md, results.json and pareto.png go")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -377,29 +429,44 @@ def main(argv: list[str] | None = None) -> int:
     log(f"assets ready: real VLM at {args.backbone}; shards in {manifest['root']}")
     shards = {"train": [manifest["shards"]["captions-train"]["dir"]] * 6 + [manifest["shards"]["austen-train"]["dir"]],
               "val": manifest["shards"]["captions-val"]["dir"]}
+    dtype = getattr(torch, args.dtype)
+
+    def load_model():
+        return load_real_vlm(dtype=dtype)[0].to(args.device).eval()
+
+    model, processor = load_real_vlm(dtype=dtype)
+    model = model.to(args.device).eval()
+    data = build_eval_set(processor, manifest, args)
+    runs = Path(args.runs)
+    removal_order = rank_blocks(model, data.calibration, runs, log)
+    # The schedule covers every target: enough single-layer blocks to remove the largest target's share.
+    num_layers = model.config.get_text_config().num_hidden_layers
+    max_removed_blocks = min(len(removal_order), math.ceil(max(args.targets) * num_layers - 1e-9))
     variants = [VARIANTS[name] for name in args.variants]
     training = {}
     for variant in variants:
         log(f"training {variant.name} for {args.train_minutes} min")
-        training[variant.name] = train_variant(variant, args.backbone, shards, args.train_minutes, args.batch_size)
+        training[variant.name] = train_variant(
+            variant, args.backbone, shards, args.train_minutes, args.batch_size, removal_order=removal_order,
+            max_removed_blocks=max_removed_blocks, runs=runs, device=args.device,
+            dtype=None if args.dtype == "float32" else args.dtype)
         log(f"trained {variant.name}: {training[variant.name]}")
 
-    model, processor = load_real_vlm()
-    model.eval()
-    bench = Bench(model, processor, build_eval_set(processor, manifest, args), args.new_tokens)
+    bench = Bench(model, processor, data, args.new_tokens)
     base = bench.measure_base()
     log(f"base: {base}")
-    records, overhead = sweep(bench, args.targets, variants, args.speed_target, log)
+    records, overhead = sweep(bench, args.targets, variants, args.speed_target, removal_order, load_model, runs, log)
     import platform
 
     results = {
         "date": time.strftime("%Y-%m-%d"),
-        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}",
+        "machine": (f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}"
+                    + (f", GPU {torch.cuda.get_device_name()} ({args.dtype})" if args.device.startswith("cuda") else "")),
         "backbone": "SmolLM2-135M-Instruct + EfficientNet-Lite0 features + trained LLaVA projector (bench/real_vlm.py)",
         "base": base,
         "router_overhead": overhead,
         "training": training,
-        "settings": {k: v for k, v in vars(args).items() if k not in ("out",)},
+        "settings": {k: v for k, v in vars(args).items() if k not in ("out", "runs")},
         "records": records,
         "seconds": round(time.time() - started, 1),
     }

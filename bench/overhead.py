@@ -1,0 +1,69 @@
+"""Decode wall clock of the retrofit on the real VLM: routers with skipping off, and static removal, vs the base.
+
+    python -m bench.overhead                     # routers at init, batch 1 and 8, 5 alternating rounds
+    python -m bench.overhead --adapter bench/.cache/runs/routed_static/adapter --target 0.2
+
+Every ratio is (tokens/s of the variant) / (tokens/s of the base), both measured alternately in the same
+process, best of `--rounds`; the base is the same model with the adapter disabled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+
+def measure(model, adapter, inputs: dict[str, Any], pad: int, method, rounds: int, new_tokens: int) -> float:
+    from .evaluate import decode_speed
+
+    base = other = 0.0
+    for _ in range(rounds):
+        base = max(base, decode_speed(model, inputs, adapter.disabled, pad, new_tokens=new_tokens, repeats=1))
+        other = max(other, decode_speed(model, inputs, method, pad, new_tokens=new_tokens, repeats=1))
+    return other / base
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.overhead", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--adapter", default=None, help="trained adapter folder (default: routers at init)")
+    parser.add_argument("--target", type=float, default=0.2, help="static removal target (fraction of layers)")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--device", default="cpu")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+
+    from vlm_retrofit import RouterAdapter, RouterConfig, attach_routers
+    from vlm_retrofit.callbacks import generation_pad_id
+
+    from .data import tuxpaint_split
+    from .real_vlm import load_image, load_real_vlm
+    from .run import _prompt_inputs
+
+    model, processor = load_real_vlm()
+    model = model.to(args.device).eval()
+    adapter = (RouterAdapter.from_pretrained(model, args.adapter) if args.adapter
+               else attach_routers(model, RouterConfig(block_size=1)))
+    order = adapter.removal_order or sorted(adapter.layout.skippable_blocks)
+    blocks = order[:round(args.target * adapter.layout.num_layers)]
+    pad = generation_pad_id(getattr(processor, "tokenizer", processor))
+    images = [load_image(path) for path, _ in tuxpaint_split("val")[:8]]
+    print(f"threads {torch.get_num_threads()}, device {args.device}, adapter {args.adapter or 'routers at init'}, "
+          f"static blocks {sorted(blocks)}")
+    for batch in (1, 8):
+        inputs = {k: v.to(args.device) if isinstance(v, torch.Tensor) else v
+                  for k, v in _prompt_inputs(processor, images[:batch]).items()}
+        with torch.no_grad():
+            routers = measure(model, adapter, inputs, pad, torch.no_grad, args.rounds, args.new_tokens)
+            static = measure(model, adapter, inputs, pad, lambda: adapter.skipping("static", blocks=blocks),
+                             args.rounds, args.new_tokens)
+        print(f"batch {batch}: routers, skipping off {routers:.3f}x base; static removal of {len(blocks)} layers "
+              f"{static:.3f}x base (tokens/s ratios; overhead = 1 / ratio = {1 / routers:.3f})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
