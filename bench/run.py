@@ -101,6 +101,7 @@ def train_variant(variant: Variant, backbone: str, shards: dict[str, Any], minut
     steady = timings[5:] or timings
     info = {"steps": trainer.global_step, "minutes": minutes, "batch_size": batch_size, "lr": module_args["lr"],
             "removal_order": module.adapter.removal_order, "max_removed_blocks": module.hparams.max_removed_blocks,
+            "query_lr_scale": module.hparams.query_lr_scale, "distill_positions": module.hparams.distill_positions,
             "device": device, "dtype": dtype or "float32",
             "step_seconds": sum(steady) / max(1, len(steady)), "peak_rss_mb": _peak_rss_mb(),
             # Mean training KL per tenth of the run (the removal prefix is random per step: read the trend).

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from ..routing.adapter import RouterAdapter
-from .runtime import SkipController
+from .runtime import SkipController, _hidden_of
 
 
 class SkipSimulation(SkipController):
@@ -86,7 +86,7 @@ class SkipSimulation(SkipController):
         removed = block in self.removed_blocks and self.adapter.enabled
         if removed and kwargs.get("cache", kwargs.get("past_key_values")) is None:
             # Every token skips and no cache needs its K/V: the layer's output would be multiplied by 0.
-            return args[0] if args else kwargs["hidden_states"]
+            return _hidden_of(args, kwargs)
         return super()._layer_forward(block, layer, parts, original, args, kwargs)
 
     def _combine(self, block: int, hidden: Tensor, out: Tensor, skip: Tensor) -> Tensor:
