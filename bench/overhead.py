@@ -38,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from vlm_retrofit import RouterAdapter, RouterConfig, attach_routers
     from vlm_retrofit.callbacks import generation_pad_id
+    from vlm_retrofit.skipping import static_prefix
 
     from .data import tuxpaint_split
     from .real_vlm import load_image, load_real_vlm
@@ -48,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     adapter = (RouterAdapter.from_pretrained(model, args.adapter) if args.adapter
                else attach_routers(model, RouterConfig(block_size=1)))
     order = adapter.removal_order or sorted(adapter.layout.skippable_blocks)
-    blocks = order[:round(args.target * adapter.layout.num_layers)]
+    blocks = static_prefix(order, adapter.layout, args.target)  # what calibrate(..., 'static') removes
     pad = generation_pad_id(getattr(processor, "tokenizer", processor))
     images = [load_image(path) for path, _ in tuxpaint_split("val")[:8]]
     print(f"threads {torch.get_num_threads()}, device {args.device}, adapter {args.adapter or 'routers at init'}, "

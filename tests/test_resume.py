@@ -63,6 +63,18 @@ def _routers(path):
     return torch.load(path, map_location="cpu", weights_only=True)["state_dict"]
 
 
+def _assert_resumes_like_straight(tmp_path, name, count_steps):
+    """Run `name` stopped after step 4; resuming it runs steps 4..7 and ends where the straight run ended."""
+    assert inspect_checkpoint(tmp_path / name / "checkpoints" / "last.ckpt")["global_step"] == 4
+    count_steps.clear()
+    assert _fit(tmp_path / name, "--ckpt_path", "last") == 0
+    assert count_steps == [4, 5, 6, 7]
+    straight = _routers(tmp_path / "straight" / "checkpoints" / "last.ckpt")
+    resumed = _routers(tmp_path / name / "checkpoints" / "last.ckpt")
+    for key in straight:
+        torch.testing.assert_close(resumed[key], straight[key], atol=1e-5, rtol=0)
+
+
 def test_checkpoint_holds_only_the_trainable_state(tmp_path):
     assert _fit(tmp_path, steps=2) == 0
     path = tmp_path / "checkpoints" / "last.ckpt"
@@ -111,14 +123,7 @@ def test_killed_run_resumes_from_its_last_checkpoint(tmp_path, monkeypatch, coun
         patch.setattr(RetrofitModule, "on_train_batch_end", crash, raising=False)
         with pytest.raises(RuntimeError, match="simulated crash"):
             _fit(tmp_path / "crashed")
-    assert inspect_checkpoint(tmp_path / "crashed" / "checkpoints" / "last.ckpt")["global_step"] == 4
-    count_steps.clear()
-    assert _fit(tmp_path / "crashed", "--ckpt_path", "last") == 0
-    assert count_steps == [4, 5, 6, 7]
-    straight = _routers(tmp_path / "straight" / "checkpoints" / "last.ckpt")
-    resumed = _routers(tmp_path / "crashed" / "checkpoints" / "last.ckpt")
-    for key in straight:
-        torch.testing.assert_close(resumed[key], straight[key], atol=1e-5, rtol=0)
+    _assert_resumes_like_straight(tmp_path, "crashed", count_steps)
 
 
 def test_checkpoint_for_another_base_is_refused(tmp_path):
@@ -171,11 +176,4 @@ def test_sigkilled_process_resumes_from_its_last_checkpoint(tmp_path, count_step
     result = subprocess.run([sys.executable, "-c", KILL_SCRIPT, *_args(tmp_path / "killed")], capture_output=True,
                             text=True, timeout=300, env=env)
     assert result.returncode == -signal.SIGKILL, result.stderr[-2000:]
-    assert inspect_checkpoint(tmp_path / "killed" / "checkpoints" / "last.ckpt")["global_step"] == 4
-    count_steps.clear()
-    assert _fit(tmp_path / "killed", "--ckpt_path", "last") == 0
-    assert count_steps == [4, 5, 6, 7]
-    straight = _routers(tmp_path / "straight" / "checkpoints" / "last.ckpt")
-    resumed = _routers(tmp_path / "killed" / "checkpoints" / "last.ckpt")
-    for key in straight:
-        torch.testing.assert_close(resumed[key], straight[key], atol=1e-5, rtol=0)
+    _assert_resumes_like_straight(tmp_path, "killed", count_steps)

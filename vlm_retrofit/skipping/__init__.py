@@ -1,7 +1,7 @@
 """ReSkip: skip decoder blocks per token from the routing signal, with a kv-only cache path and honest accounting."""
 
 from .accounting import LayerCost, SkipReport
-from .calibrate import CalibrationResult, block_influence, calibrate, removal_impact
+from .calibrate import CalibrationResult, block_influence, calibrate, removal_impact, static_prefix
 from .policies import (
     POLICIES,
     GatePolicy,
@@ -33,4 +33,5 @@ __all__ = [
     "kv_only",
     "make_policy",
     "removal_impact",
+    "static_prefix",
 ]

@@ -123,7 +123,7 @@ def removal_impact(adapter: RouterAdapter, batches: Iterable[Mapping[str, Any]])
     return impact
 
 
-def _static_blocks(order: list[int], layout, target_saving: float) -> list[int]:
+def static_prefix(order: list[int], layout, target_saving: float) -> list[int]:
     """The shortest prefix of `order` that removes at least `target_saving` of the layers."""
     chosen, removed = [], 0
     for block in order:
@@ -165,7 +165,7 @@ def calibrate(adapter: RouterAdapter, batches: Iterable[Mapping[str, Any]], targ
         if order is None:
             influence = block_influence(adapter, batches)
             order = sorted(layout.skippable_blocks, key=influence.__getitem__)
-        settings: dict[str, Any] = {"blocks": _static_blocks(list(order), layout, target_saving)}
+        settings: dict[str, Any] = {"blocks": static_prefix(list(order), layout, target_saving)}
     elif policy == "random":
         settings = _bisect(adapter, batches, policy, lambda rate: {"rate": rate}, target_saving / reachable,
                            target_saving, tolerance, max_iterations)

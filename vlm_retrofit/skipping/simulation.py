@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from ..routing.adapter import RouterAdapter
-from .runtime import SkipController, _hidden_of
+from .runtime import SkipController
 
 
 class SkipSimulation(SkipController):
@@ -82,12 +82,9 @@ class SkipSimulation(SkipController):
         self.realised_keep[block] = 1.0 - float(skip.float().mean())
         self._record_decision(block, state, skip)
 
-    def _layer_forward(self, block: int, layer: Any, parts: Any, original: Any, args: tuple, kwargs: dict) -> Any:
-        removed = block in self.removed_blocks and self.adapter.enabled
-        if removed and kwargs.get("cache", kwargs.get("past_key_values")) is None:
-            # Every token skips and no cache needs its K/V: the layer's output would be multiplied by 0.
-            return _hidden_of(args, kwargs)
-        return super()._layer_forward(block, layer, parts, original, args, kwargs)
+    def _skips_whole_layer(self, block: int, skip: Tensor) -> bool:
+        # A removed block's multiplier is 0 with no gate behind it: its output carries neither value nor gradient.
+        return (block in self.removed_blocks and self.adapter.enabled) or super()._skips_whole_layer(block, skip)
 
     def _combine(self, block: int, hidden: Tensor, out: Tensor, skip: Tensor) -> Tensor:
         multiplier = self._multiplier[block].to(hidden.dtype)[..., None]
