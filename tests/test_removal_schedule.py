@@ -57,6 +57,18 @@ def test_schedule_draws_prefixes_deterministically_and_validates():
         RetrofitModule(backbone="tiny:llama", backbone_kwargs=LAYERS, removal_order=[1], max_removed_blocks=2)
     with pytest.raises(ValueError, match="needs a removal_order"):
         RetrofitModule(backbone="tiny:llama", backbone_kwargs=LAYERS, max_removed_blocks=2)
+    with pytest.raises(ValueError, match="min_removed_blocks"):
+        RetrofitModule(backbone="tiny:llama", backbone_kwargs=LAYERS, removal_order=[1, 2], max_removed_blocks=1,
+                       min_removed_blocks=2)
+
+
+def test_schedule_with_a_floor_draws_only_prefixes_from_min_to_max():
+    module = RetrofitModule(backbone="tiny:llama", backbone_kwargs=LAYERS, removal_order=[4, 1, 2, 3],
+                            max_removed_blocks=3, min_removed_blocks=2)
+    assert {len(module.removed_blocks(seed)) for seed in range(40)} == {2, 3}
+    fixed = RetrofitModule(backbone="tiny:llama", backbone_kwargs=LAYERS, removal_order=[4, 1, 2, 3],
+                           max_removed_blocks=2, min_removed_blocks=2)
+    assert all(fixed.removed_blocks(seed) == [4, 1] for seed in range(10))  # one operating point only
 
 
 def test_removal_impact_ranks_blocks_and_static_calibration_follows_the_trained_order():

@@ -87,6 +87,7 @@ class RetrofitModule(pl.LightningModule):
         skip_budget: float | None = None,
         removal_order: list[int] | Literal["impact"] | None = None,
         max_removed_blocks: int = 0,
+        min_removed_blocks: int = 0,
         compute_target: float | None = None,
         compute_weight: float = 10.0,
         compute_penalty: Literal["hinge", "squared"] = "squared",
@@ -138,6 +139,9 @@ class RetrofitModule(pl.LightningModule):
                 `removal_order`, k drawn uniformly from 0..max_removed_blocks (validation uses the maximum),
                 so the routers learn to re-weight around blocks that a static policy removes for good.
                 0 = off.
+            min_removed_blocks: smallest k the removal schedule draws (k uniform in min..max). Equal to
+                `max_removed_blocks` trains one operating point only (e.g. the 6 blocks a 20 % static target
+                removes), which heals that point better than spreading the budget over every prefix.
             compute_target: target expected executed fraction of decoder-block compute (e.g. 0.8); null = no
                 compute penalty.
             compute_weight: weight of the compute penalty.
@@ -177,6 +181,9 @@ class RetrofitModule(pl.LightningModule):
             raise ValueError(f"distill_positions must be 'response' or 'text', got {distill_positions!r}")
         if max_removed_blocks < 0:
             raise ValueError(f"max_removed_blocks must be >= 0, got {max_removed_blocks}")
+        if not 0 <= min_removed_blocks <= max_removed_blocks:
+            raise ValueError(f"min_removed_blocks must be in 0..max_removed_blocks={max_removed_blocks}, "
+                             f"got {min_removed_blocks}")
         if max_removed_blocks and removal_order is None:
             raise ValueError("max_removed_blocks needs a removal_order (a list of blocks, or 'impact')")
         if isinstance(removal_order, str) and removal_order != "impact":
@@ -305,7 +312,7 @@ class RetrofitModule(pl.LightningModule):
             return []
         if largest:
             return list(order[:k_max])
-        k = int(torch.randint(0, k_max + 1, (), generator=torch.Generator().manual_seed(seed + 1)))
+        k = int(torch.randint(int(self.hparams.min_removed_blocks), k_max + 1, (), generator=torch.Generator().manual_seed(seed + 1)))
         return list(order[:k])
 
     def current_drop_rate(self) -> float:
