@@ -1,0 +1,287 @@
+"""Measuring on the real VLM: the eval set, one method at a time against the base, the sweep over methods."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from .evaluate import Method, decode_speed, greedy, nullmethod, perplexity, rouge_l, teacher_forced
+
+
+# -- measuring ---------------------------------------------------------------------------------------------
+@dataclass
+class EvalSet:
+    captions: list[dict[str, Any]]      # B=1 prompt inputs, one per test image
+    references: list[str]
+    batch8: dict[str, Any]              # a left-padded batch of 8 prompts for decode speed
+    text_chunks: list[torch.Tensor]     # held-out Austen token chunks for perplexity
+    calibration: list[dict[str, Any]]   # caption + text batches from the val splits (also rank blocks for removal)
+
+
+class Bench:
+    """Holds the model and the base's reference outputs; measures one method at a time against them."""
+
+    def __init__(self, model, processor, data: EvalSet, new_tokens: int) -> None:
+        self.model, self.processor, self.data, self.new_tokens = model, processor, data, new_tokens
+        self.tokenizer = getattr(processor, "tokenizer", processor)
+        from vlm_retrofit.callbacks import generation_pad_id
+
+        self.pad = generation_pad_id(self.tokenizer)
+        self.base: dict[str, Any] = {}
+        self.base_method: Method = nullmethod
+        self.tolerance = 0.02  # calibration: how close to each target the skipped fraction must come
+
+    def _decode(self, tokens: torch.Tensor) -> str:
+        return self.tokenizer.decode(tokens[0], skip_special_tokens=True).strip()
+
+    def measure_base(self) -> dict[str, Any]:
+        continuations, logits, captions = [], [], []
+        for inputs in self.data.captions:
+            tokens, _, _ = greedy(self.model, inputs, self.new_tokens, nullmethod, self.pad)
+            continuations.append(tokens)
+            logits.append(teacher_forced(self.model, inputs, tokens, nullmethod)[0])
+            captions.append(self._decode(tokens))
+        self.base = {
+            "continuations": continuations, "logits": logits, "captions": captions,
+            "ppl": perplexity(self.model, self.data.text_chunks, nullmethod),
+            "rouge_l": rouge_l(captions, self.data.references),
+            "speed_b1": decode_speed(self.model, self.data.captions[0], nullmethod, self.pad),
+            "speed_b8": decode_speed(self.model, self.data.batch8, nullmethod, self.pad),
+        }
+        return {k: v for k, v in self.base.items() if isinstance(v, float)}
+
+    def measure(self, method: Method, *, speed: bool) -> dict[str, Any]:
+        agreement, kl, captions, reports = [], [], [], []
+        for inputs, tokens, base_logits in zip(self.data.captions, self.base["continuations"], self.base["logits"]):
+            _, agree, divergence = teacher_forced(self.model, inputs, tokens, method, base_logits)
+            agreement.append(agree)
+            kl.append(divergence)
+            generated, report, _ = greedy(self.model, inputs, self.new_tokens, method, self.pad)
+            captions.append(self._decode(generated))
+            reports.append(report)
+        result = {
+            "agreement": sum(agreement) / len(agreement),
+            "kl": sum(kl) / len(kl),
+            "ppl_ratio": perplexity(self.model, self.data.text_chunks, method) / self.base["ppl"],
+            "rouge_l": rouge_l(captions, self.data.references),
+        }
+        result["rouge_l_ratio"] = result["rouge_l"] / self.base["rouge_l"] if self.base["rouge_l"] else float("nan")
+        if reports and all(hasattr(r, "executed_flops") for r in reports):
+            from vlm_retrofit.skipping import SkipReport
+
+            merged = SkipReport.merged(reports)
+            result.update(compute_saved=merged.compute_saved, compute_saved_decode=merged.decode.compute_saved,
+                          skipped_fraction=merged.skipped_layer_fraction)
+        if speed:
+            result.update(self.measure_speed(method))
+        return result
+
+    def measure_speed(self, method: Method) -> dict[str, float]:
+        """Decode speed under `method` as a ratio to the base's, at batch 1 and batch 8."""
+        return {"decode_speedup_b1": self.speed_ratio(self.data.captions[0], method),
+                "decode_speedup_b8": self.speed_ratio(self.data.batch8, method)}
+
+    def fingerprint(self) -> dict[str, Any]:
+        """What identifies the model and eval set: the base's metrics and a hash of its greedy continuations."""
+        digest = hashlib.sha256()
+        for tokens in self.base["continuations"]:
+            digest.update(tokens.cpu().numpy().tobytes())
+        return {"ppl": round(self.base["ppl"], 4), "rouge_l": round(self.base["rouge_l"], 4),
+                "continuations": digest.hexdigest()[:16]}
+
+    def speed_ratio(self, inputs: dict[str, Any], method: Method, rounds: int = 2) -> float:
+        """Decode tokens/s under `method` ÷ the base's, measured alternately in this call (machines are noisy).
+
+        The base is the model with any attached routers disabled (`self.base_method`): the unmodified function.
+        """
+        base = other = 0.0
+        for _ in range(rounds):
+            base = max(base, decode_speed(self.model, inputs, self.base_method, self.pad, repeats=1))
+            other = max(other, decode_speed(self.model, inputs, method, self.pad, repeats=1))
+        return other / base
+
+
+# -- the sweep ----------------------------------------------------------------------------------------------
+def _record(method: str, target: float, metrics: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    """One operating point: the results.json keys first, then every other measurement; `extra` overrides."""
+    keys = ("compute_saved", "agreement", "ppl_ratio", "rouge_l", "decode_speedup_b1", "decode_speedup_b8")
+    merged = {**metrics, **extra}
+    return {"method": method, "target": target, **{k: merged.get(k) for k in keys}, **merged}
+
+
+def rank_blocks(model, calibration: list[dict[str, Any]], runs: Path, log: Callable[[str], None]) -> list[int]:
+    """Skippable blocks by single-block removal impact (KL on the val calibration batches), cached on disk.
+
+    One order serves static greedy removal and the removal schedule of the `routed_static` variants, so at
+    init those variants *are* static greedy removal: any difference is what training the routers bought.
+    """
+    from vlm_retrofit import RouterConfig, attach_routers
+    from vlm_retrofit.skipping import removal_impact
+
+    path = runs / "removal_order.json"
+    if path.is_file():
+        return json.loads(path.read_text())["order"]
+    identity = attach_routers(model, RouterConfig(block_size=1))
+    impact = removal_impact(identity, calibration)
+    identity.detach()
+    order = sorted(impact, key=impact.__getitem__)
+    log("single-block removal impact (KL per token, val): " + ", ".join(f"{b}:{impact[b]:.3f}" for b in order))
+    runs.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"order": order, "impact": impact}, indent=2) + "\n")
+    return order
+
+
+def sweep(bench: Bench, targets: list[float], variants: list, speed_target: float, removal_order: list[int],
+          load_model: Callable[[], Any], runs: Path, log: Callable[[str], None], *,
+          baseline_key: dict[str, Any] | None = None, reuse_baselines: bool = False
+          ) -> tuple[list[dict[str, Any]], float | None]:
+    """Every method at every target, one record each; plus the router overhead with skipping off."""
+    from vlm_retrofit import RouterAdapter, calibrate
+
+    model, data, records = bench.model, bench.data, []
+    overhead = None
+    for variant in variants:
+        adapter_dir = runs / variant.name / "adapter"
+        lora_dir = adapter_dir / "lora"
+        target_model = model
+        if lora_dir.is_dir():
+            # As shipped: LoRA merged into a copy of the base (`merge --merge-lora`); references stay the base's.
+            from peft import PeftModel
+
+            target_model = PeftModel.from_pretrained(load_model(), lora_dir).merge_and_unload().eval()
+            bench.model = target_model
+        adapter = RouterAdapter.from_pretrained(target_model, adapter_dir)
+        bench.base_method = adapter.disabled  # merged LoRA stays in it: speed ratios compare skipping alone
+        if overhead is None and target_model is model:
+            # Retrofit time ÷ base time with skipping off: routers attached vs disabled, measured alternately.
+            overhead = 1.0 / bench.speed_ratio(data.captions[0], nullmethod, rounds=3)
+        # Trained routers with skipping off: what the retrofit itself costs before any block is skipped.
+        records.append(_record(f"ours-{variant.name}", 0.0, bench.measure(nullmethod, speed=False), compute_saved=0.0))
+        log(f"ours-{variant.name} routers only: {records[-1]}")
+        for target in targets:
+            settings = calibrate(adapter, data.calibration, target, variant.policy, store=False,
+                                 tolerance=bench.tolerance).settings
+            metrics = bench.measure(lambda: adapter.skipping(variant.policy, **settings), speed=target == speed_target)
+            records.append(_record(f"ours-{variant.name}", target, metrics))
+            log(f"ours-{variant.name} @ {target:.2f}: {records[-1]}")
+        adapter.detach()
+        bench.model = model
+        del target_model
+    bench.base_method = nullmethod
+
+    records += measure_baselines(bench, targets, speed_target, removal_order, log, cache=runs / "baselines.json",
+                                 key=baseline_key or {}, reuse=reuse_baselines)
+    return records, overhead
+
+
+def measure_baselines(bench: Bench, targets: list[float], speed_target: float, removal_order: list[int],
+                      log: Callable[[str], None], *, cache: Path, key: dict[str, Any], reuse: bool) -> list[dict[str, Any]]:
+    """Static removal (Block Influence, greedy by impact), random skipping and the update oracle at every target.
+
+    Their quality is a deterministic function of the model, the eval set and the settings. With `reuse`, the
+    records of an earlier run with the same key (settings, removal order, the base's outputs) are taken from
+    `cache` and only their decode speed is measured again, side by side with the base in this run. Every run
+    rewrites `cache`.
+    """
+    from vlm_retrofit import RouterConfig, attach_routers, calibrate
+
+    from .baselines import UpdateOracle
+
+    model, data, records = bench.model, bench.data, []
+    key = {**key, "targets": list(targets), "removal_order": list(removal_order), "base": bench.fingerprint()}
+    stored = json.loads(cache.read_text()) if reuse and cache.is_file() else {}
+    earlier = {(r["method"], r["target"]): r for r in stored.get("records", [])} if stored.get("key") == key else {}
+    if reuse:
+        log(f"baselines: reusing {len(earlier)} records from {cache}" if earlier else
+            f"baselines: nothing to reuse in {cache} (missing, or measured with other settings): measuring all")
+
+    identity = attach_routers(model, RouterConfig(block_size=1))  # routers at init: plain layer dropping
+    bench.base_method = identity.disabled
+    layout = identity.layout
+
+    def point(name: str, target: float, policy: str, settings: Callable[[], dict[str, Any]]) -> None:
+        speed = target == speed_target
+        before = earlier.get((name, target))
+        if before is None:
+            chosen = settings()
+            metrics = bench.measure(lambda: identity.skipping(policy, **chosen), speed=speed)
+            records.append(_record(name, target, metrics, settings=chosen))
+        else:
+            chosen = before["settings"]
+            fresh = bench.measure_speed(lambda: identity.skipping(policy, **chosen)) if speed else {}
+            records.append({**before, **fresh, "quality_from_earlier_run": True})
+        log(f"{name} @ {target:.2f}: {records[-1]}")
+
+    for target in targets:
+        for name, order in (("static-block-influence", None), ("static-greedy-impact", removal_order)):
+            point(name, target, "static", lambda o=order, t=target: calibrate(
+                identity, data.calibration, t, "static", store=False, order=o).settings)
+        point("random", target, "random", lambda t=target: calibrate(
+            identity, data.calibration, t, "random", store=False, tolerance=bench.tolerance).settings)
+    skippable_layers = [i for b in layout.skippable_blocks for i in layout.layers_of_block(b)]
+    identity.detach()
+    bench.base_method = nullmethod
+
+    oracle = UpdateOracle(model, skippable_layers, identity.spec.get_layers(model))
+    name = "oracle-update (runs every layer)"
+    for target in targets:
+        if (name, target) in earlier:
+            records.append({**earlier[(name, target)], "quality_from_earlier_run": True})
+        else:
+            oracle.calibrate(data.calibration, target * layout.num_layers / len(skippable_layers))
+            oracle.skipped = oracle.total = 0
+            metrics = bench.measure(oracle.skipping, speed=False)
+            metrics["skipped_fraction"] = oracle.skip_fraction * len(skippable_layers) / layout.num_layers
+            records.append(_record(name, target, metrics))
+        log(f"oracle @ {target:.2f}: {records[-1]}")
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    cache.write_text(json.dumps({"key": key, "records": records}, indent=2) + "\n")
+    return records
+
+
+# -- the eval set ---------------------------------------------------------------------------------
+def _prompt_inputs(processor, images: list, *, batch: bool = False) -> dict[str, Any]:
+    from .real_vlm import caption_messages
+
+    texts = [processor.apply_chat_template(caption_messages(image), add_generation_prompt=True, tokenize=False)
+             for image in images]
+    return dict(processor(text=texts, images=images, padding=True, padding_side="left", return_tensors="pt"))
+
+
+def _chunks(tokenizer, text: str, length: int, count: int) -> list[torch.Tensor]:
+    ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return [ids[i:i + length] for i in range(0, len(ids) - length + 1, length)][:count]
+
+
+def build_eval_set(processor, manifest: dict[str, Any], args) -> EvalSet:
+    from vlm_retrofit.batch import model_inputs
+    from vlm_retrofit.datamodules import WebDatasetDataModule
+
+    from .data import tuxpaint_split
+    from .real_vlm import load_image
+
+    tokenizer = getattr(processor, "tokenizer", processor)
+    test = tuxpaint_split("test")[: args.caption_samples]
+    images = [load_image(path) for path, _ in test]
+    captions = [_prompt_inputs(processor, [image]) for image in images]
+    calibration = []
+    for name in ("captions-val", "austen-val"):
+        data = WebDatasetDataModule(processor=args.backbone, val_shards=manifest["shards"][name]["dir"],
+                                    train_shards=manifest["shards"][name]["dir"], batch_size=4, num_workers=0,
+                                    max_length=384, add_quality_callback=False)
+        data.setup("validate")
+        for batch, _ in zip(data.val_dataloader(), range(args.calibration_batches)):
+            calibration.append(model_inputs(batch))
+    text = Path(manifest["austen_test"]["path"]).read_text()
+    def to(inputs: dict[str, Any]) -> dict[str, Any]:
+        return {k: v.to(args.device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+
+    return EvalSet(captions=[to(c) for c in captions], references=[caption for _, caption in test],
+                   batch8=to(_prompt_inputs(processor, (images * 8)[:8])),
+                   text_chunks=[c.to(args.device) for c in _chunks(tokenizer, text, args.chunk_tokens, args.text_chunks)],
+                   calibration=[to(b) for b in calibration])

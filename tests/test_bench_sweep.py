@@ -1,0 +1,80 @@
+"""bench/sweep.py and bench/report.py on a tiny model: baselines reused only under the same key; report files."""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # bench/ is a folder at the repository root, not an installed package
+
+from bench.report import write_report  # noqa: E402
+from bench.sweep import Bench, EvalSet, measure_baselines  # noqa: E402
+from vlm_retrofit.testing import tiny_inputs, tiny_vlm  # noqa: E402
+
+QUALITY = ("agreement", "kl", "ppl_ratio", "rouge_l", "compute_saved", "skipped_fraction")
+
+
+def _bench() -> Bench:
+    model, tokenizer = tiny_vlm("llama", num_hidden_layers=6)
+    prompts = [dict(tiny_inputs(tokenizer, batch=1)), dict(tiny_inputs(tokenizer, batch=2))]
+    prompts = [{k: v[:1] for k, v in p.items()} for p in prompts]
+    generator = torch.Generator().manual_seed(0)
+    chunks = [torch.randint(3, len(tokenizer), (24,), generator=generator) for _ in range(2)]
+    data = EvalSet(captions=prompts, references=["a red square", "a blue circle"],
+                   batch8=dict(tiny_inputs(tokenizer, batch=2)), text_chunks=chunks,
+                   calibration=[dict(tiny_inputs(tokenizer, batch=2))])
+    bench = Bench(model, tokenizer, data, new_tokens=4)
+    bench.measure_base()
+    return bench
+
+
+def _run(bench: Bench, cache: Path, key: dict, reuse: bool) -> list[dict]:
+    return measure_baselines(bench, [0.25], 0.25, [2, 3, 1, 4], lambda message: None, cache=cache, key=key,
+                             reuse=reuse)
+
+
+def test_baselines_are_reused_only_under_the_same_key_and_their_speed_is_measured_again(tmp_path):
+    bench = _bench()
+    cache = tmp_path / "baselines.json"
+    first = _run(bench, cache, {"caption_samples": 2}, reuse=False)
+    assert {r["method"] for r in first} == {"static-block-influence", "static-greedy-impact", "random",
+                                            "oracle-update (runs every layer)"}
+    assert json.loads(cache.read_text())["records"] == json.loads(json.dumps(first))
+    greedy = next(r for r in first if r["method"] == "static-greedy-impact")
+    assert greedy["settings"] == {"blocks": [2, 3]}  # the order's prefix removing >= 25 % of 6 layers
+
+    # Poison the stored quality: a reused record must come from the file, not from a fresh measurement.
+    stored = json.loads(cache.read_text())
+    for record in stored["records"]:
+        record["agreement"] = -1.0
+    cache.write_text(json.dumps(stored))
+    reused = _run(bench, cache, {"caption_samples": 2}, reuse=True)
+    assert all(r["quality_from_earlier_run"] and r["agreement"] == -1.0 for r in reused)
+    for record in reused:  # the speed target's decode speed is measured in this run, except the oracle's
+        measured = record["method"] != "oracle-update (runs every layer)"
+        assert (record["decode_speedup_b1"] is not None) == measured
+        assert record["decode_speedup_b1"] is None or record["decode_speedup_b1"] > 0
+
+    other = _run(bench, cache, {"caption_samples": 3}, reuse=True)  # other settings: everything measured anew
+    assert not any(r.get("quality_from_earlier_run") for r in other)
+    for new, old in zip(other, first):
+        assert new["method"] == old["method"]
+        assert all(new[k] == old[k] for k in QUALITY if k in old)  # quality is deterministic
+
+
+def test_report_writes_json_markdown_and_plot(tmp_path):
+    record = {"method": "static-greedy-impact", "target": 0.2, "compute_saved": 0.19, "agreement": 0.5,
+              "ppl_ratio": 2.0, "rouge_l": 0.3, "decode_speedup_b1": 1.1, "decode_speedup_b8": None, "kl": 0.4}
+    results = {"date": "2026-01-01", "machine": "test", "backbone": "tiny", "router_overhead": 1.05,
+               "base": {"ppl": 50.0, "rouge_l": 0.35, "speed_b1": 10.0, "speed_b8": 40.0},
+               "training": {"routed": {"steps": 3, "minutes": 1.0, "step_seconds": 2.0, "batch_size": 4,
+                                       "peak_rss_mb": 100.0}},
+               "records": [record]}
+    write_report(results, tmp_path)
+    assert json.loads((tmp_path / "results.json").read_text())["records"] == [record]
+    table = (tmp_path / "RESULTS.md").read_text()
+    assert "| static-greedy-impact | 0.20 | 0.190 |" in table and "router overhead" in table
+    assert (tmp_path / "pareto.png").stat().st_size > 0
