@@ -9,7 +9,7 @@ import torch
 from vlm_retrofit.skipping import PatternPolicy, SkipController
 from vlm_retrofit.testing import tiny_vlm
 from vlm_retrofit.training import FixedBatchDataModule, RetrofitModule, compute_penalty, distillation_kl, drop_rate_at
-from vlm_retrofit.training.optim import lr_lambda, parameter_groups
+from vlm_retrofit.training.optim import base_lr, lr_lambda, parameter_groups
 
 
 def _batch(family, batch_size=2, seed=0):
@@ -282,6 +282,10 @@ def test_query_lr_scale_puts_queries_in_their_own_group():
             by_lr[id(param)] = group["initial_lr"]  # the scheduler scales "lr" during warmup
     assert {by_lr[q] for q in queries} == {1e-2 * 0.125}
     assert {lr for key, lr in by_lr.items() if key not in queries} == {1e-2}
+    routers_only = RetrofitModule(backbone="tiny:qwen2_vl", lr=1e-2, query_lr_scale=0.125)
+    optimizer = routers_only.configure_optimizers()["optimizer"]
+    assert optimizer.param_groups[0].get("name") == "queries"  # the first group: what a naive lr log would show
+    assert base_lr(optimizer) == pytest.approx(1e-2 / routers_only.hparams.warmup_steps)  # warmup step 0
     with pytest.raises(ValueError, match="query_lr_scale"):
         RetrofitModule(backbone="tiny:qwen2_vl", query_lr_scale=0.0).configure_optimizers()
 

@@ -21,7 +21,7 @@ from ..routing import AdapterMismatchError, RouterConfig, attach_routers, check_
 from ..backbones import unwrap_model
 from ..backbones.loading import load_backbone
 from .losses import PENALTIES, compute_penalty, distillation_kl, drop_rate_at, routing_entropies
-from .optim import SCHEDULES, build_optimizer, lr_lambda
+from .optim import SCHEDULES, base_lr, build_optimizer, lr_lambda
 
 log = logging.getLogger("vlm_retrofit.training")
 
@@ -411,7 +411,7 @@ class RetrofitModule(pl.LightningModule):
             return float("nan")
         if isinstance(optimizer, list):
             optimizer = optimizer[0] if optimizer else None
-        return float(optimizer.param_groups[0]["lr"]) if optimizer is not None else float("nan")
+        return base_lr(optimizer) if optimizer is not None else float("nan")
 
     # ------------------------------------------------------------------ Lightning hooks
     def training_step(self, batch: Mapping[str, Any], batch_idx: int) -> Tensor | None:

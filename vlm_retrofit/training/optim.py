@@ -51,7 +51,7 @@ def parameter_groups(named: Iterable[tuple[str, nn.Parameter]], weight_decay: fl
     if decay:
         groups.append({"params": decay, "weight_decay": weight_decay})
     if queries:
-        groups.append({"params": queries, "weight_decay": weight_decay, "lr": lr * query_lr_scale})
+        groups.append({"params": queries, "weight_decay": weight_decay, "lr": lr * query_lr_scale, "name": "queries"})
     if no_decay:
         groups.append({"params": no_decay, "weight_decay": 0.0})
     if not groups:
@@ -65,6 +65,12 @@ def build_optimizer(named: Iterable[tuple[str, nn.Parameter]], name: str = "Adam
     if query_lr_scale <= 0:
         raise ValueError(f"query_lr_scale must be > 0, got {query_lr_scale}")
     return optimizer_class(name)(parameter_groups(named, weight_decay, lr, query_lr_scale), lr=lr, **(kwargs or {}))
+
+
+def base_lr(optimizer: torch.optim.Optimizer) -> float:
+    """The current learning rate of the parameters at the base `lr` (not the scaled query group)."""
+    groups = optimizer.param_groups
+    return float(next((g for g in groups if g.get("name") != "queries"), groups[0])["lr"])
 
 
 def lr_lambda(schedule: str, warmup_steps: int, total_steps: int | None, min_lr_ratio: float) -> Callable[[int], float]:
