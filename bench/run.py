@@ -38,7 +38,8 @@ class Variant:
 
 # The routed recipe after the first runs: queries at 1/25 of the lr (AdamW moves all 576 query coordinates by
 # ~lr per step, so routing logits swing ~lr * d) and KL on every text position (captions are ~5 answer tokens).
-ROUTED = {"use_gates": False, "max_drop_rate": 0.0, "lr": 2e-3, "query_lr_scale": 0.04, "distill_positions": "text"}
+TEXT_KL = {"query_lr_scale": 0.04, "distill_positions": "text"}
+ROUTED = {**TEXT_KL, "use_gates": False, "max_drop_rate": 0.0, "lr": 2e-3}
 LORA_QVO = {"r": 8, "lora_alpha": 16, "target_modules": r".*language_model.*\.(q_proj|v_proj|o_proj)"}
 VARIANTS = {
     # Routers trained under a removal schedule (a random prefix of the removal order skipped by every token),
@@ -48,12 +49,14 @@ VARIANTS = {
     # One operating point: always the speed target's blocks removed, LoRA healing that configuration only.
     "routed_static_lora_fixed": Variant("routed_static_lora_fixed", "static", {"block_size": 1},
                                         {**ROUTED, "lora": LORA_QVO}, fixed_removal=True),
+    # Per-token policies: learned gates pulled to a compute target, and the ReSkip recent-weight rule under a
+    # drop-rate curriculum; same query lr and KL positions as the routed variants.
     "gate": Variant("gate", "gate", {"block_size": 1, "skip_gate": True},
-                    {"use_gates": True, "max_drop_rate": 0.1, "compute_target": 0.7, "compute_weight": 5.0}),
+                    {**TEXT_KL, "use_gates": True, "max_drop_rate": 0.1, "compute_target": 0.7, "compute_weight": 5.0}),
     "recent_weight": Variant("recent_weight", "recent_weight", {"block_size": 1},
-                             {"use_gates": False, "max_drop_rate": 0.3, "drop_warmup_steps": 50}),
+                             {**TEXT_KL, "use_gates": False, "max_drop_rate": 0.3, "drop_warmup_steps": 50}),
     "gate_lora": Variant("gate_lora", "gate", {"block_size": 1, "skip_gate": True},
-                         {"use_gates": True, "max_drop_rate": 0.1, "compute_target": 0.7, "compute_weight": 5.0,
+                         {**TEXT_KL, "use_gates": True, "max_drop_rate": 0.1, "compute_target": 0.7, "compute_weight": 5.0,
                           "lora": {"r": 8, "lora_alpha": 16, "target_modules": r".*language_model.*\.(q_proj|v_proj)"}}),
 }
 
