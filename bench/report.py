@@ -12,6 +12,20 @@ def _fmt(value: Any, digits: int = 3) -> str:
     return "–" if value is None else (f"{value:.{digits}f}" if isinstance(value, float) else str(value))
 
 
+def _recipe(info: dict[str, Any]) -> str:
+    """How a variant was trained, from its train_info (older runs recorded less: only what is there)."""
+    parts = []
+    if info.get("lr") is not None:
+        parts.append(f"lr {info['lr']:g}")
+    if info.get("query_lr_scale") is not None:
+        parts.append(f"queries at {info['query_lr_scale']:g}x lr")
+    if info.get("distill_positions"):
+        parts.append(f"KL on {info['distill_positions']} positions")
+    if info.get("max_removed_blocks"):
+        parts.append(f"removal schedule k = {info.get('min_removed_blocks', 0)}..{info['max_removed_blocks']}")
+    return f"; {', '.join(parts)}" if parts else ""
+
+
 def write_report(results: dict[str, Any], out_dir: Path) -> None:
     """results.json, RESULTS.md (tables) and pareto.png (compute saved vs quality, one curve per method)."""
     (out_dir / "results.json").write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
@@ -47,7 +61,8 @@ def write_report(results: dict[str, Any], out_dir: Path) -> None:
     ]
     for name, info in results["training"].items():
         lines.append(f"* training `{name}`: {info['steps']} steps in {info['minutes']} min, "
-                     f"{info['step_seconds']:.2f} s/step (batch {info['batch_size']}), peak RSS {info['peak_rss_mb']:.0f} MB")
+                     f"{info['step_seconds']:.2f} s/step (batch {info['batch_size']}), peak RSS {info['peak_rss_mb']:.0f} MB"
+                     + _recipe(info))
     lines += ["", "![compute saved vs quality](pareto.png)", "",
               "| method | target | compute saved (FLOPs, B=1 generate) | saved in decode | layer executions skipped | "
               "agreement | KL | ppl ratio | ROUGE-L | ROUGE-L ÷ base | decode ×base B=1 | B=8 |",

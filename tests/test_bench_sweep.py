@@ -71,10 +71,12 @@ def test_report_writes_json_markdown_and_plot(tmp_path):
     results = {"date": "2026-01-01", "machine": "test", "backbone": "tiny", "router_overhead": 1.05,
                "base": {"ppl": 50.0, "rouge_l": 0.35, "speed_b1": 10.0, "speed_b8": 40.0},
                "training": {"routed": {"steps": 3, "minutes": 1.0, "step_seconds": 2.0, "batch_size": 4,
-                                       "peak_rss_mb": 100.0}},
+                                       "peak_rss_mb": 100.0, "lr": 2e-3, "query_lr_scale": 0.04,
+                                       "max_removed_blocks": 9, "min_removed_blocks": 6}},
                "records": [record]}
     write_report(results, tmp_path)
     assert json.loads((tmp_path / "results.json").read_text())["records"] == [record]
     table = (tmp_path / "RESULTS.md").read_text()
     assert "| static-greedy-impact | 0.20 | 0.190 |" in table and "router overhead" in table
+    assert "lr 0.002, queries at 0.04x lr, removal schedule k = 6..9" in table
     assert (tmp_path / "pareto.png").stat().st_size > 0
