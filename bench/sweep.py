@@ -193,7 +193,8 @@ def measure_baselines(bench: Bench, targets: list[float], speed_target: float, r
     from .baselines import UpdateOracle
 
     model, data, records = bench.model, bench.data, []
-    key = {**key, "targets": list(targets), "removal_order": list(removal_order), "base": bench.fingerprint()}
+    key = {**key, "targets": list(targets), "speed_target": speed_target, "removal_order": list(removal_order),
+           "base": bench.fingerprint()}
     stored = json.loads(cache.read_text()) if reuse and cache.is_file() else {}
     earlier = {(r["method"], r["target"]): r for r in stored.get("records", [])} if stored.get("key") == key else {}
     if reuse:
