@@ -1,10 +1,11 @@
-"""Decode wall clock of the retrofit on the real VLM: routers with skipping off, and static removal, vs the base.
+"""Decode wall clock on the real VLM vs the base: routers with skipping off, static removal, layers deleted.
 
     python -m bench.overhead                     # routers at init, batch 1 and 8, 5 alternating rounds
     python -m bench.overhead --adapter bench/.cache/runs/routed_static/adapter --target 0.2
 
 Every ratio is (tokens/s of the variant) / (tokens/s of the base), both measured alternately in the same
-process, best of `--rounds`; the base is the same model with the adapter disabled.
+process, best of `--rounds`; the base is the same model with the adapter disabled. The last ratio deletes the
+same layers from the plain model with the routers detached: static removal as a pruned release ships it.
 """
 
 from __future__ import annotations
@@ -15,11 +16,13 @@ from typing import Any
 
 
 def measure(model, adapter, inputs: dict[str, Any], pad: int, method, rounds: int, new_tokens: int) -> float:
-    from .evaluate import decode_speed
+    """Tokens/s under `method` ÷ the base's (the adapter disabled; with `adapter=None` the plain model)."""
+    from .evaluate import decode_speed, nullmethod
 
     base = other = 0.0
     for _ in range(rounds):
-        base = max(base, decode_speed(model, inputs, adapter.disabled, pad, new_tokens=new_tokens, repeats=1))
+        base_method = adapter.disabled if adapter is not None else nullmethod
+        base = max(base, decode_speed(model, inputs, base_method, pad, new_tokens=new_tokens, repeats=1))
         other = max(other, decode_speed(model, inputs, method, pad, new_tokens=new_tokens, repeats=1))
     return other / base
 
@@ -42,7 +45,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from .data import tuxpaint_split
     from .real_vlm import load_image, load_real_vlm
-    from .run import _prompt_inputs
+    from .baselines import layers_deleted
+    from .sweep import prompt_inputs
 
     model, processor = load_real_vlm()
     model = model.to(args.device).eval()
@@ -54,15 +58,24 @@ def main(argv: list[str] | None = None) -> int:
     images = [load_image(path) for path, _ in tuxpaint_split("val")[:8]]
     print(f"threads {torch.get_num_threads()}, device {args.device}, adapter {args.adapter or 'routers at init'}, "
           f"static blocks {sorted(blocks)}")
+    results = []
     for batch in (1, 8):
         inputs = {k: v.to(args.device) if isinstance(v, torch.Tensor) else v
-                  for k, v in _prompt_inputs(processor, images[:batch]).items()}
+                  for k, v in prompt_inputs(processor, images[:batch]).items()}
         with torch.no_grad():
             routers = measure(model, adapter, inputs, pad, torch.no_grad, args.rounds, args.new_tokens)
             static = measure(model, adapter, inputs, pad, lambda: adapter.skipping("static", blocks=blocks),
                              args.rounds, args.new_tokens)
         print(f"batch {batch}: routers, skipping off {routers:.3f}x base; static removal of {len(blocks)} layers "
               f"{static:.3f}x base (tokens/s ratios; overhead = 1 / ratio = {1 / routers:.3f})")
+        results.append((batch, inputs))
+    adapter.detach()  # the plain model from here on: no hooks on either side
+    layers = [i for b in blocks for i in adapter.layout.layers_of_block(b)]
+    for batch, inputs in results:
+        with torch.no_grad():
+            deleted = measure(model, None, inputs, pad, lambda: layers_deleted(model, adapter.spec, layers),
+                              args.rounds, args.new_tokens)
+        print(f"batch {batch}: the same {len(layers)} layers deleted, no routers: {deleted:.3f}x base")
     return 0
 
 

@@ -190,7 +190,7 @@ def measure_baselines(bench: Bench, targets: list[float], speed_target: float, r
     """
     from vlm_retrofit import RouterConfig, attach_routers, calibrate
 
-    from .baselines import UpdateOracle
+    from .baselines import UpdateOracle, layers_deleted
 
     model, data, records = bench.model, bench.data, []
     key = {**key, "targets": list(targets), "speed_target": speed_target, "removal_order": list(removal_order),
@@ -205,8 +205,11 @@ def measure_baselines(bench: Bench, targets: list[float], speed_target: float, r
     bench.base_method = identity.disabled
     layout = identity.layout
 
+    deleted: list[dict[str, Any]] = []  # static records at the speed target: timed later without any routers
+
     def point(name: str, target: float, policy: str, settings: Callable[[], dict[str, Any]]) -> None:
-        speed = target == speed_target
+        # Static removal is timed as shipped (layers deleted, below); random needs the routing machinery.
+        speed = target == speed_target and policy != "static"
         before = earlier.get((name, target))
         if before is None:
             chosen = settings()
@@ -216,6 +219,8 @@ def measure_baselines(bench: Bench, targets: list[float], speed_target: float, r
             chosen = before["settings"]
             fresh = bench.measure_speed(lambda: identity.skipping(policy, **chosen)) if speed else {}
             records.append({**before, **fresh, "quality_from_earlier_run": True})
+        if policy == "static" and target == speed_target:
+            deleted.append(records[-1])
         log(f"{name} @ {target:.2f}: {records[-1]}")
 
     for target in targets:
@@ -227,6 +232,12 @@ def measure_baselines(bench: Bench, targets: list[float], speed_target: float, r
     skippable_layers = [i for b in layout.skippable_blocks for i in layout.layers_of_block(b)]
     identity.detach()
     bench.base_method = nullmethod
+    for record in deleted:  # the plain model is the base: no hooks on either side
+        layers = [i for b in record["settings"]["blocks"] for i in layout.layers_of_block(b)]
+        record.update(bench.measure_speed(lambda: layers_deleted(model, identity.spec, layers)),
+                      speed_measured_as="layers deleted, no routers attached")
+        log(f"{record['method']} @ {record['target']:.2f} decode with the layers deleted: "
+            f"{record['decode_speedup_b1']:.3f}x (B=1), {record['decode_speedup_b8']:.3f}x (B=8)")
 
     oracle = UpdateOracle(model, skippable_layers, identity.spec.get_layers(model))
     name = "oracle-update (runs every layer)"
@@ -246,7 +257,8 @@ def measure_baselines(bench: Bench, targets: list[float], speed_target: float, r
 
 
 # -- the eval set ---------------------------------------------------------------------------------
-def _prompt_inputs(processor, images: list, *, batch: bool = False) -> dict[str, Any]:
+def prompt_inputs(processor, images: list) -> dict[str, Any]:
+    """Left-padded caption prompts for `images` (one chat each), as model inputs."""
     from .real_vlm import caption_messages
 
     texts = [processor.apply_chat_template(caption_messages(image), add_generation_prompt=True, tokenize=False)
@@ -269,7 +281,7 @@ def build_eval_set(processor, manifest: dict[str, Any], args) -> EvalSet:
     tokenizer = getattr(processor, "tokenizer", processor)
     test = tuxpaint_split("test")[: args.caption_samples]
     images = [load_image(path) for path, _ in test]
-    captions = [_prompt_inputs(processor, [image]) for image in images]
+    captions = [prompt_inputs(processor, [image]) for image in images]
     calibration = []
     for name in ("captions-val", "austen-val"):
         data = WebDatasetDataModule(processor=args.backbone, val_shards=manifest["shards"][name]["dir"],
@@ -283,6 +295,6 @@ def build_eval_set(processor, manifest: dict[str, Any], args) -> EvalSet:
         return {k: v.to(args.device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
 
     return EvalSet(captions=[to(c) for c in captions], references=[caption for _, caption in test],
-                   batch8=to(_prompt_inputs(processor, (images * 8)[:8])),
+                   batch8=to(prompt_inputs(processor, (images * 8)[:8])),
                    text_chunks=[c.to(args.device) for c in _chunks(tokenizer, text, args.chunk_tokens, args.text_chunks)],
                    calibration=[to(b) for b in calibration])

@@ -10,8 +10,10 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # bench/ is a folder at the repository root, not an installed package
 
+from bench.baselines import layers_deleted  # noqa: E402
 from bench.report import write_report  # noqa: E402
 from bench.sweep import Bench, EvalSet, measure_baselines  # noqa: E402
+from vlm_retrofit import RouterConfig, attach_routers  # noqa: E402
 from vlm_retrofit.testing import tiny_inputs, tiny_vlm  # noqa: E402
 
 QUALITY = ("agreement", "kl", "ppl_ratio", "rouge_l", "compute_saved", "skipped_fraction")
@@ -45,6 +47,7 @@ def test_baselines_are_reused_only_under_the_same_key_and_their_speed_is_measure
     assert json.loads(cache.read_text())["records"] == json.loads(json.dumps(first))
     greedy = next(r for r in first if r["method"] == "static-greedy-impact")
     assert greedy["settings"] == {"blocks": [2, 3]}  # the order's prefix removing >= 25 % of 6 layers
+    assert greedy["speed_measured_as"] == "layers deleted, no routers attached" and greedy["decode_speedup_b1"] > 0
 
     # Poison the stored quality: a reused record must come from the file, not from a fresh measurement.
     stored = json.loads(cache.read_text())
@@ -80,3 +83,21 @@ def test_report_writes_json_markdown_and_plot(tmp_path):
     assert "| static-greedy-impact | 0.20 | 0.190 |" in table and "router overhead" in table
     assert "lr 0.002, queries at 0.04x lr, removal schedule k = 6..9" in table
     assert (tmp_path / "pareto.png").stat().st_size > 0
+
+
+def test_deleting_layers_equals_static_removal_with_routers_at_init_with_and_without_cache():
+    model, tokenizer = tiny_vlm("llama", num_hidden_layers=6)
+    inputs = dict(tiny_inputs(tokenizer, batch=2))  # left-padded: the cache of removed layers must not matter
+    identity = attach_routers(model, RouterConfig(block_size=1))
+    spec = identity.spec
+    with torch.no_grad(), identity.skipping("static", blocks=[2, 4]):
+        static_logits = model(**inputs).logits
+        static_tokens = model.generate(**inputs, max_new_tokens=6, do_sample=False)
+    identity.detach()
+    with torch.no_grad(), layers_deleted(model, spec, [2, 4]):
+        assert len(spec.get_layers(model)) == 4
+        deleted_logits = model(**inputs).logits
+        deleted_tokens = model.generate(**inputs, max_new_tokens=6, do_sample=False)
+    assert len(spec.get_layers(model)) == 6  # restored
+    torch.testing.assert_close(deleted_logits, static_logits, atol=1e-4, rtol=0)
+    assert torch.equal(deleted_tokens, static_tokens)
