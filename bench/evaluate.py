@@ -83,6 +83,17 @@ def decode_speed(model, inputs: dict[str, Any], method: Method, pad_token_id: in
     return best
 
 
+def speed_ratio(model, inputs: dict[str, Any], method: Method, base_method: Method, pad_token_id: int, *,
+                rounds: int = 2, new_tokens: int = 32) -> float:
+    """Decode tokens/s under `method` ÷ under `base_method`, alternating the two, best of `rounds` each
+    (machines are noisy: side by side in one call is the only comparison that holds)."""
+    base = other = 0.0
+    for _ in range(rounds):
+        base = max(base, decode_speed(model, inputs, base_method, pad_token_id, new_tokens, repeats=1))
+        other = max(other, decode_speed(model, inputs, method, pad_token_id, new_tokens, repeats=1))
+    return other / base
+
+
 def _sync() -> None:
     # GPU kernels run asynchronously: a wall-clock reading must wait for them.
     if torch.cuda.is_available() and torch.cuda.is_initialized():

@@ -17,14 +17,10 @@ from typing import Any
 
 def measure(model, adapter, inputs: dict[str, Any], pad: int, method, rounds: int, new_tokens: int) -> float:
     """Tokens/s under `method` ÷ the base's (the adapter disabled; with `adapter=None` the plain model)."""
-    from .evaluate import decode_speed, nullmethod
+    from .evaluate import nullmethod, speed_ratio
 
-    base = other = 0.0
-    for _ in range(rounds):
-        base_method = adapter.disabled if adapter is not None else nullmethod
-        base = max(base, decode_speed(model, inputs, base_method, pad, new_tokens=new_tokens, repeats=1))
-        other = max(other, decode_speed(model, inputs, method, pad, new_tokens=new_tokens, repeats=1))
-    return other / base
+    base_method = adapter.disabled if adapter is not None else nullmethod
+    return speed_ratio(model, inputs, method, base_method, pad, rounds=rounds, new_tokens=new_tokens)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 import torch
 
-from .evaluate import Method, decode_speed, greedy, nullmethod, perplexity, rouge_l, teacher_forced
+from .evaluate import Method, decode_speed, greedy, nullmethod, perplexity, rouge_l, speed_ratio, teacher_forced
 
 
 # -- measuring ---------------------------------------------------------------------------------------------
@@ -95,15 +95,11 @@ class Bench:
                 "continuations": digest.hexdigest()[:16]}
 
     def speed_ratio(self, inputs: dict[str, Any], method: Method, rounds: int = 2) -> float:
-        """Decode tokens/s under `method` ÷ the base's, measured alternately in this call (machines are noisy).
+        """Decode tokens/s under `method` ÷ the base's, measured alternately in this call.
 
         The base is the model with any attached routers disabled (`self.base_method`): the unmodified function.
         """
-        base = other = 0.0
-        for _ in range(rounds):
-            base = max(base, decode_speed(self.model, inputs, self.base_method, self.pad, repeats=1))
-            other = max(other, decode_speed(self.model, inputs, method, self.pad, repeats=1))
-        return other / base
+        return speed_ratio(self.model, inputs, method, self.base_method, self.pad, rounds=rounds)
 
 
 # -- the sweep ----------------------------------------------------------------------------------------------
