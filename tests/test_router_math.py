@@ -2,15 +2,24 @@
 
 import torch
 
-from vlm_retrofit.routing import DepthRouter, SkipGate, rms_normalize
+from vlm_retrofit.routing import DepthRouter, SkipGate, SourceStack
 
 
 def _sources(k, b=2, t=3, d=8):
     return [torch.randn(b, t, d) for _ in range(k)]
 
 
+def _stack(sources, present=None):
+    """Built under the caller's grad mode: with autograd the listed layout, under no_grad the buffered one."""
+    present = present or [None] * len(sources)
+    stack = SourceStack(sources[0], len(sources), 1e-6)
+    for source, mask in zip(sources[1:], present[1:]):
+        stack.push(source, mask)
+    return stack
+
+
 def _route(router, sources, present=None):
-    return router(sources, [rms_normalize(s, 1e-6) for s in sources], present)
+    return router(_stack(sources, present))
 
 
 def test_zero_query_is_plain_residual_sum():
@@ -67,8 +76,10 @@ def test_router_gradients_reach_query_and_bias_at_init_and_gain_once_query_moves
 
 def test_dtype_is_preserved_and_math_runs_in_fp32():
     sources = [s.to(torch.bfloat16) for s in _sources(3)]
-    mixed, alpha = _route(DepthRouter(8, 3, source_bias=True), sources)
-    assert mixed.dtype == torch.bfloat16 and alpha.dtype == torch.float32
+    for grad in (True, False):  # the listed and the buffered layout
+        with torch.set_grad_enabled(grad):
+            mixed, alpha = _route(DepthRouter(8, 3, source_bias=True), sources)
+        assert mixed.dtype == torch.bfloat16 and alpha.dtype == torch.float32
 
 
 def test_skip_gate_starts_near_always_run():
@@ -78,7 +89,7 @@ def test_skip_gate_starts_near_always_run():
     torch.testing.assert_close(p, torch.full_like(p, torch.sigmoid(torch.tensor(3.0)).item()))
 
 
-def test_stacked_decode_path_equals_the_per_source_loop(monkeypatch):
+def test_buffered_decode_layout_equals_the_listed_layout():
     sources = _sources(5, b=2, t=3)
     router = DepthRouter(8, 5, source_bias=True)
     with torch.no_grad():
@@ -86,9 +97,24 @@ def test_stacked_decode_path_equals_the_per_source_loop(monkeypatch):
         router.bias.normal_()
     present = [None, torch.tensor([[True, False, True], [True, True, False]]), None, None,
                torch.tensor([[False, True, True], [True, True, True]])]
-    assert 2 * 3 <= DepthRouter.stack_max_tokens  # this call takes the stacked path ...
-    stacked = _route(router, sources, present)
-    monkeypatch.setattr(DepthRouter, "stack_max_tokens", 0)  # ... and this one the loop
-    looped = _route(router, sources, present)
-    for a, b in zip(stacked, looped):
-        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+    for mask in (None, present):
+        with torch.no_grad():
+            stack = _stack(sources, mask)
+            assert stack.buffered  # few tokens, no autograd: the decode layout ...
+            buffered = router(stack)
+        listed_stack = _stack(sources, mask)
+        assert not listed_stack.buffered  # ... and with autograd the per-source lists
+        listed = router(listed_stack)
+        for a, b in zip(buffered, listed):
+            torch.testing.assert_close(a, b.detach(), atol=1e-5, rtol=0)
+        torch.testing.assert_close(stack.key(3), listed_stack.key(3).detach())
+        if mask is None:
+            assert stack.present_mask() is None and listed_stack.present_mask() is None
+        else:
+            torch.testing.assert_close(stack.present_mask(), listed_stack.present_mask())
+
+
+def test_buffered_layout_is_not_used_for_many_tokens():
+    with torch.no_grad():
+        stack = SourceStack(torch.randn(1, SourceStack.buffer_max_tokens + 1, 8), 3, 1e-6)
+    assert not stack.buffered

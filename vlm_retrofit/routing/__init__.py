@@ -4,6 +4,7 @@ from .adapter import AdapterMismatchError, RouterAdapter, attach_routers, check_
 from .config import BlockLayout, RouterConfig
 from .identity import check_identity
 from .router import DepthRouter, SkipGate, rms_normalize
+from .stream import SourceStack, StreamState
 
 __all__ = [
     "AdapterMismatchError",
@@ -12,6 +13,8 @@ __all__ = [
     "RouterAdapter",
     "RouterConfig",
     "SkipGate",
+    "SourceStack",
+    "StreamState",
     "attach_routers",
     "check_fingerprint",
     "check_identity",

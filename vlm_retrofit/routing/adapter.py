@@ -7,7 +7,6 @@ import json
 import os
 import tempfile
 import weakref
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -18,7 +17,8 @@ from torch.utils.hooks import RemovableHandle
 
 from ..backbones import BackboneSpec, base_fingerprint, resolve, unwrap_model
 from .config import BlockLayout, RouterConfig
-from .router import DepthRouter, SkipGate, rms_normalize
+from .router import DepthRouter, SkipGate
+from .stream import SourceStack, StreamState
 
 ADAPTER_TYPE = "vlm_retrofit.attnres_router"
 CONFIG_NAME = "adapter_config.json"
@@ -32,26 +32,6 @@ _ATTACHED: "weakref.WeakKeyDictionary[nn.Module, RouterAdapter]" = weakref.WeakK
 
 class AdapterMismatchError(ValueError):
     """An adapter (or checkpoint) was made for a different base model than the one given."""
-
-
-@dataclass
-class _StreamState:
-    """Per-forward sources of the depth stream: s_0 = decoder input, then one delta per block that ran."""
-
-    sources: list[Tensor] = field(default_factory=list)
-    normed: list[Tensor] = field(default_factory=list)
-    present: list[Tensor | None] = field(default_factory=list)
-    routed_input: Tensor | None = None
-    alphas: dict[str, Tensor] = field(default_factory=dict)
-    token_is_image: Tensor | None = None
-    """Bool [B, T] of visual-placeholder positions, when a skip context knows the input ids."""
-    token_is_real: Tensor | None = None
-    """Bool [B, T]: False at padding positions, when a skip context knows the attention mask."""
-
-    def push(self, source: Tensor, eps: float, present: Tensor | None = None) -> None:
-        self.sources.append(source)
-        self.normed.append(rms_normalize(source, eps))
-        self.present.append(present)
 
 
 def _hidden_from(args: tuple, kwargs: dict) -> Tensor:
@@ -102,7 +82,7 @@ class RouterAdapter(nn.Module):
         self.__dict__["_model_ref"] = weakref.ref(model)
         self._handles: list[RemovableHandle] = []
         self._enabled = True
-        self._state = _StreamState()
+        self._state = StreamState()
         self._controller: Any = None
         self.calibration: dict[str, dict[str, dict[str, Any]]] = {}
         """Skip thresholds found by calibration: policy -> target saving -> policy settings."""
@@ -144,7 +124,7 @@ class RouterAdapter(nn.Module):
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        self._state = _StreamState()
+        self._state = StreamState()
         model = self._model_ref()
         if model is not None and _ATTACHED.get(model) is self:
             del _ATTACHED[model]
@@ -171,8 +151,8 @@ class RouterAdapter(nn.Module):
             controller = self._controller
             if block == 0:
                 self._follow_device(hidden)
-                self._state = _StreamState(routed_input=hidden)
-                self._state.push(hidden, self.config.key_norm_eps)
+                stack = SourceStack(hidden, self.layout.num_blocks + 1, self.config.key_norm_eps)
+                self._state = StreamState(stack=stack, routed_input=hidden)
                 if controller is not None:
                     controller.begin_forward(self._state)
                     controller.decide(0, self._state)
@@ -196,8 +176,8 @@ class RouterAdapter(nn.Module):
         if state.routed_input is None:
             raise RuntimeError("router hook ran before the decoder's first layer; is the decoder loop reordered?")
         present = self._controller.ran(previous_block) if self._controller is not None else None
-        state.push(hidden - state.routed_input, self.config.key_norm_eps, present)
-        routed, alpha = self.routers[key](state.sources, state.normed, state.present)
+        state.stack.push(hidden - state.routed_input, present)
+        routed, alpha = self.routers[key](state.stack)
         state.routed_input = routed
         state.alphas[key] = alpha
         return routed

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from .stream import SourceStack
 
 
 def rms_normalize(x: Tensor, eps: float) -> Tensor:
@@ -19,9 +24,6 @@ class DepthRouter(nn.Module):
     multiplier K (number of sources present) is what makes the retrofit an exact identity at init.
     """
 
-    stack_max_tokens = 64
-    """Calls with at most this many tokens (batch x length) take the stacked path (same value, fewer kernels)."""
-
     def __init__(self, hidden_size: int, num_sources: int, *, source_bias: bool, init_scale: float = 0.0,
                  device: torch.device | str | None = None, generator: torch.Generator | None = None) -> None:
         super().__init__()
@@ -33,41 +35,47 @@ class DepthRouter(nn.Module):
         self.bias = nn.Parameter(torch.zeros(num_sources, device=device)) if source_bias else None
         self.num_sources = num_sources
 
-    def forward(self, sources: list[Tensor], normed_sources: list[Tensor],
-                present: list[Tensor | None] | None = None) -> tuple[Tensor, Tensor]:
-        """Mix `sources` (each [B, T, d]); `normed_sources` are their `rms_normalize`d fp32 versions.
+    def forward(self, stack: "SourceStack") -> tuple[Tensor, Tensor]:
+        """Mix every source on `stack` (a `SourceStack`).
 
-        `present[i]` is a bool [B, T] mask of the tokens for which source i exists (None = all); absent
-        sources are masked out of the softmax and not counted in K. Returns the routed input (dtype of the
-        sources) and the routing weights alpha [K, B, T] (fp32).
+        Sources absent for a token (its `present_mask` is False) are masked out of the softmax and not
+        counted in K. Returns the routed input [B, T, d] (dtype of the stream) and the routing weights alpha
+        [K, B, T] (fp32).
         """
-        k = len(sources)
-        # Few tokens (decoding): stack the sources and mix them in one kernel each, since per-source kernels
-        # launched from Python would dominate. Many tokens (prefill, training): loop, never holding a [K, B, T, d]
-        # copy of the stream.
-        stacked = sources[0].shape[:-1].numel() <= self.stack_max_tokens
+        k = len(stack)
         # q . (g * n) == (q * g) . n: fold the key-norm gain into the query once per call.
         scorer = self.query * self.key_norm_weight
-        if stacked:
-            logits = torch.stack(normed_sources) @ scorer  # [K, B, T]
-        else:
-            logits = torch.stack([n @ scorer for n in normed_sources])
+        if stack.buffered:
+            return self._mix_buffered(stack, k, scorer)
+        logits = torch.stack([stack.key(i) @ scorer for i in range(k)])  # [K, B, T]
         if self.bias is not None:
             logits = logits + self.bias[:k, None, None]
         count: Tensor | float = float(k)
-        if present is not None and any(p is not None for p in present):
-            mask = torch.stack([torch.ones_like(logits[0], dtype=torch.bool) if p is None else p for p in present])
-            logits = logits.masked_fill(~mask, float("-inf"))
-            count = mask.sum(0).to(logits.dtype)  # [B, T]
+        present = stack.present_mask(k)
+        if present is not None:
+            logits = logits.masked_fill(~present, float("-inf"))
+            count = present.sum(0).to(logits.dtype)  # [B, T]
         alpha = torch.softmax(logits, dim=0)
-        if stacked:
-            mixed = torch.einsum("kbt,kbtd->btd", alpha, torch.stack(sources).float())
-        else:
-            mixed = alpha[0, ..., None] * sources[0].float()
-            for i in range(1, k):
-                mixed = mixed + alpha[i, ..., None] * sources[i].float()
+        mixed = alpha[0, ..., None] * stack.source(0).float()
+        for i in range(1, k):
+            mixed = mixed + alpha[i, ..., None] * stack.source(i).float()
         mixed = mixed * (count[..., None] if isinstance(count, Tensor) else count)
-        return mixed.to(sources[0].dtype), alpha
+        return mixed.to(stack.dtype), alpha
+
+    def _mix_buffered(self, stack: "SourceStack", k: int, scorer: Tensor) -> tuple[Tensor, Tensor]:
+        # Decoding: a handful of kernels per router whatever K is (one matmul scores, one bmm mixes).
+        logits = stack.flat_keys() @ scorer  # [tokens, K]
+        if self.bias is not None:
+            logits = logits + self.bias[:k]
+        present = stack.flat_present()
+        if present is not None:
+            logits = logits.masked_fill(~present, float("-inf"))
+            scale = present.sum(-1, keepdim=True).to(logits.dtype)
+        else:
+            scale = float(k)
+        alpha = torch.softmax(logits, dim=-1)
+        mixed = torch.bmm((alpha * scale).unsqueeze(1), stack.flat_values()).squeeze(1)
+        return mixed.view(stack.shape).to(stack.dtype), alpha.t().reshape(k, *stack.shape[:-1])
 
 
 class SkipGate(nn.Module):

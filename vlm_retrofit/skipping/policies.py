@@ -36,7 +36,9 @@ def recent_source_weight(state: Any, key: str) -> Tensor:
     """alpha on the most recent *present* source of each token, [B, T], from router `key`'s last weights."""
     alpha = state.alphas[key]  # [K, B, T]
     k = alpha.shape[0]
-    present = torch.stack([torch.ones_like(alpha[0], dtype=torch.bool) if p is None else p for p in state.present[:k]])
+    present = state.stack.present_mask(k)
+    if present is None:  # every token has every source: the most recent is the last
+        return alpha[k - 1]
     index = torch.arange(k, device=alpha.device).view(k, 1, 1) * present
     return alpha.gather(0, index.amax(0, keepdim=True)).squeeze(0)
 
@@ -140,7 +142,7 @@ class RandomPolicy(SkipPolicy):
         self._direction: Tensor | None = None
 
     def skip_mask(self, block: int, state: Any, adapter: Any) -> Tensor | None:
-        token = state.normed[0]  # RMS-normalised decoder input: identical for the same token in any pass
+        token = state.stack.key(0)  # RMS-normalised decoder input: identical for the same token in any pass
         if self._direction is None or self._direction.shape[0] != token.shape[-1]:
             generator = torch.Generator().manual_seed(self.seed)
             self._direction = torch.randn(token.shape[-1], generator=generator, dtype=torch.float64)

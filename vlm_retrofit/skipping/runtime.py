@@ -143,10 +143,10 @@ class SkipController:
 
     # -- adapter callbacks -----------------------------------------------------------------------------
     def begin_forward(self, state: Any) -> None:
-        hidden = state.sources[0]
-        if self._token_is_image is not None and self._token_is_image.shape == hidden.shape[:-1]:
+        tokens_shape = state.stack.shape[:-1]
+        if self._token_is_image is not None and self._token_is_image.shape == tokens_shape:
             state.token_is_image = self._token_is_image
-        if self._token_is_real is not None and self._token_is_real.shape == hidden.shape[:-1]:
+        if self._token_is_real is not None and self._token_is_real.shape == tokens_shape:
             state.token_is_real = self._token_is_real
         self._skip.clear()
         self._used = None
