@@ -118,3 +118,24 @@ def test_buffered_layout_is_not_used_for_many_tokens():
     with torch.no_grad():
         stack = SourceStack(torch.randn(1, SourceStack.buffer_max_tokens + 1, 8), 3, 1e-6)
     assert not stack.buffered
+
+
+def test_a_dropped_source_equals_one_absent_for_every_token():
+    sources = _sources(5)
+    router = DepthRouter(8, 5, source_bias=True)
+    with torch.no_grad():
+        router.query.normal_()
+        router.bias.normal_()
+    nobody = torch.zeros(2, 3, dtype=torch.bool)
+    for grad in (True, False):  # the listed and the buffered layout
+        with torch.set_grad_enabled(grad):
+            absent = _route(router, sources, [None, None, nobody, None, None])
+            stack = SourceStack(sources[0], 5, 1e-6)
+            stack.push(sources[1])
+            stack.drop()  # source 2: no token has it
+            stack.push(sources[3])
+            stack.push(sources[4])
+            assert len(stack) == 4 and stack.num_slots == 5 and stack.slot_index().tolist() == [0, 1, 3, 4]
+            dropped = router(stack)
+        torch.testing.assert_close(dropped[0], absent[0], atol=1e-5, rtol=0)
+        torch.testing.assert_close(stack.expand(dropped[1], 5), absent[1], atol=1e-6, rtol=0)

@@ -5,7 +5,7 @@ import torch
 
 from vlm_retrofit import RouterConfig, attach_routers
 from vlm_retrofit.backbones import resolve
-from vlm_retrofit.skipping import RandomPolicy, RecentWeightPolicy
+from vlm_retrofit.skipping import RandomPolicy, RecentWeightPolicy, StaticPolicy
 from vlm_retrofit.testing import FAMILIES, tiny_inputs, tiny_vlm
 
 NEW_TOKENS = 6
@@ -80,8 +80,13 @@ def test_never_firing_threshold_at_init_equals_the_base(family):
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("mode", ["beam", "sample", "static_cache"])
-def test_generation_modes_match_uncached_generation(family, mode):
-    """Beam search, sampling and a static cache under skipping equal `generate(use_cache=False)`."""
+@pytest.mark.parametrize("policy_name", ["recent_weight", "static"])
+def test_generation_modes_match_uncached_generation(family, mode, policy_name):
+    """Beam search, sampling and a static cache under skipping equal `generate(use_cache=False)`.
+
+    Static removal leaves the removed layers' caches unwritten, which beam reordering and a preallocated
+    cache must tolerate as well.
+    """
     model, processor, adapter = _trained_like(family)
     inputs = tiny_inputs(processor, batch=2)
     options = {
@@ -89,7 +94,10 @@ def test_generation_modes_match_uncached_generation(family, mode):
         "sample": dict(do_sample=True, top_k=0, top_p=1.0, temperature=1.0),
         "static_cache": dict(do_sample=False, cache_implementation="static"),
     }[mode]
-    policy = RecentWeightPolicy(thresholds=0.45)  # fires on part of the tokens of these routers
+    policy = {  # recent_weight fires on part of the tokens of these routers
+        "recent_weight": RecentWeightPolicy(thresholds=0.45),
+        "static": StaticPolicy(blocks=list(adapter.layout.skippable_blocks[:2])),
+    }[policy_name]
 
     def run(use_cache):
         torch.manual_seed(11)
@@ -125,3 +133,28 @@ def test_kv_only_cache_write_equals_what_the_attention_layer_writes(family):
     for fast_layer, slow_layer in zip(fast.past_key_values.layers, slow.past_key_values.layers):
         torch.testing.assert_close(fast_layer.keys, slow_layer.keys, atol=1e-6, rtol=0)
         torch.testing.assert_close(fast_layer.values, slow_layer.values, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_static_removal_writes_no_cache_for_removed_blocks_and_equals_the_uncached_reference(family):
+    """No token ever runs a statically removed block, so its cache is never read: none is written."""
+    model, processor, adapter = _trained_like(family)
+    inputs = tiny_inputs(processor, batch=2)
+    blocks = list(adapter.layout.skippable_blocks[:2])
+    with torch.no_grad():
+        controller = adapter.skipping("static", blocks=blocks)
+        with controller as report:
+            out = _generate(model, inputs)
+        with adapter.skipping("static", blocks=blocks):
+            reference = _generate(model, inputs, use_cache=False)
+    torch.testing.assert_close(torch.stack(out.logits, 1), torch.stack(reference.logits, 1), atol=1e-4, rtol=0)
+    assert torch.equal(out.sequences, reference.sequences)
+    # Layer 0 and the first layer of each attention type size HF's masks: a block holding one keeps kv-only.
+    cacheless = [i for b in controller.cacheless_blocks for i in adapter.layout.layers_of_block(b)]
+    assert cacheless and set(controller.cacheless_blocks) <= set(blocks)
+    lengths = [layer.keys.shape[2] if layer.is_initialized else 0 for layer in out.past_key_values.layers]
+    assert all(lengths[i] == 0 for i in cacheless)
+    assert all(length > 0 for i, length in enumerate(lengths) if i not in cacheless)
+    assert report.layer_calls["skipped"] > 0 and report.decode.compute_saved > 0
+    kept_kv = set(blocks) - set(controller.cacheless_blocks)
+    assert (report.layer_calls["kv_only"] > 0) == bool(kept_kv)

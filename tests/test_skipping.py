@@ -52,6 +52,18 @@ def test_a_skipped_delta_is_absent_not_a_zero_source():
     torch.testing.assert_close(alpha[:, :, 0].sum(0), torch.ones(alpha.shape[1]))
 
 
+def test_a_block_no_token_ran_is_dropped_from_the_stream_but_reported_per_source():
+    model, processor, adapter = _model()
+    inputs = tiny_inputs(processor)
+    with torch.no_grad(), adapter.skipping(PatternPolicy(lambda block, state: _skip_everything(block, state)
+                                                         if block == 2 else None)):
+        model(**inputs)
+    assert len(adapter._state.stack) == adapter.layout.num_blocks  # one of num_blocks + 1 sources dropped
+    alpha = adapter.last_routing_weights["3"]  # still indexed by source: s0, then blocks 0, 1, 2
+    assert alpha.shape[0] == 4 and torch.all(alpha[3] == 0)
+    torch.testing.assert_close(alpha.sum(0), torch.ones_like(alpha[0]))
+
+
 def _skip_everything(block, state):
     return torch.ones(state.routed_input.shape[:-1], dtype=torch.bool)
 
@@ -70,7 +82,8 @@ def test_never_skip_blocks_and_budget_are_honoured():
     assert report.skip_rates == [0.0, 1.0, 0.0, 0.0, 0.0, 0.0]
 
 
-def test_accounting_matches_a_hand_computed_case():
+@pytest.mark.parametrize("removed", [False, True])
+def test_accounting_matches_a_hand_computed_case(removed):
     # llama tiny: d=64, 4 heads x 16, 2 kv heads, MLP 128; 4 layers, block 2 skipped by every token.
     model, processor, adapter = _model(layers=4)
     cost = LayerCost.from_config(model.config)
@@ -78,19 +91,27 @@ def test_accounting_matches_a_hand_computed_case():
     input_ids = torch.tensor([[5, 6, 7, 8, 9]])
     per_layer_prefill = 5 * 73728 + 4 * 64 * (5 * 6 // 2)  # dense + causal attention over 15 (query, key) pairs
     per_layer_decode = 73728 + 4 * 64 * 6                # one new token attending to a context of 6
-    with torch.no_grad(), adapter.skipping(StaticPolicy(blocks=[2])) as report:
+    # A static policy removes block 2 for the whole context: no token ever reads its cache, so none is written.
+    # A per-token policy that happens to skip it for every token still writes its K/V (kv-only).
+    policy = StaticPolicy(blocks=[2]) if removed else PatternPolicy(lambda block, state: _skip_everything(block, state)
+                                                                    if block == 2 else None)
+    kv_cost = 0 if removed else 8192
+    with torch.no_grad(), adapter.skipping(policy) as report:
         cache = DynamicCache(config=model.config)
         model(input_ids=input_ids, cache=cache, use_cache=True)
         model(input_ids=torch.tensor([[10]]), cache=cache, use_cache=True)
     assert report.prefill.full_flops == 4 * per_layer_prefill
-    assert report.prefill.executed_flops == 3 * per_layer_prefill + 5 * 8192
+    assert report.prefill.executed_flops == 3 * per_layer_prefill + 5 * kv_cost
     assert report.decode.full_flops == 4 * per_layer_decode
-    assert report.decode.executed_flops == 3 * per_layer_decode + 8192
-    # Skippable blocks are 1 and 2 (0 and 3 never skip): block 1 ran in full, block 2 only wrote its K/V.
-    assert report.layer_calls == {"full": 2, "mixed": 0, "kv_only": 2, "skipped": 0}
+    assert report.decode.executed_flops == 3 * per_layer_decode + kv_cost
+    # Skippable blocks are 1 and 2 (0 and 3 never skip): block 1 ran in full, block 2 only wrote its K/V or
+    # nothing. layer_calls counts the layers a policy may skip: the static policy leaves block 1 unpatched.
+    expected_calls = {"full": 0, "mixed": 0, "kv_only": 0, "skipped": 2} if removed else {"full": 2, "mixed": 0, "kv_only": 2, "skipped": 0}
+    assert report.layer_calls == expected_calls
     assert report.skip_rates == [0.0, 0.0, 1.0, 0.0]
-    assert cache.get_seq_length() == 6 and all(layer.keys.shape[2] == 6 for layer in cache.layers)
-    expected = 1 - (3 * (per_layer_prefill + per_layer_decode) + 6 * 8192) / (4 * (per_layer_prefill + per_layer_decode))
+    assert cache.get_seq_length() == 6
+    assert [layer.keys.shape[2] if layer.is_initialized else 0 for layer in cache.layers] == [6, 6, 0 if removed else 6, 6]
+    expected = 1 - (3 * (per_layer_prefill + per_layer_decode) + 6 * kv_cost) / (4 * (per_layer_prefill + per_layer_decode))
     assert report.compute_saved == pytest.approx(expected)
 
 

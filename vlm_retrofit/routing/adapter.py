@@ -157,7 +157,12 @@ class RouterAdapter(nn.Module):
                     controller.begin_forward(self._state)
                     controller.decide(0, self._state)
                 return None
-            routed = self._route(str(block), hidden, previous_block=block - 1)
+            self._record_delta(block - 1, hidden)
+            if controller is not None and controller.bypasses(block):
+                # Every token skips this block and it writes no cache: nothing would read its routed input.
+                controller.decide(block, self._state)
+                return None
+            routed = self._mix(str(block))
             if controller is not None:
                 controller.decide(block, self._state)
             return _with_hidden(args, kwargs, routed)
@@ -167,16 +172,23 @@ class RouterAdapter(nn.Module):
     def _final_hook(self, module: nn.Module, args: tuple, kwargs: dict):
         if not self._enabled:
             return None
-        hidden = _hidden_from(args, kwargs)
-        return _with_hidden(args, kwargs, self._route(FINAL, hidden, previous_block=self.layout.num_blocks - 1))
+        self._record_delta(self.layout.num_blocks - 1, _hidden_from(args, kwargs))
+        return _with_hidden(args, kwargs, self._mix(FINAL))
 
-    def _route(self, key: str, hidden: Tensor, previous_block: int) -> Tensor:
-        """Record the previous block's delta (absent where it was skipped), then mix all sources with `key`."""
+    def _record_delta(self, block: int, hidden: Tensor) -> None:
+        """Push the delta of `block` (its output `hidden` minus its routed input), absent where it was skipped."""
         state = self._state
         if state.routed_input is None:
             raise RuntimeError("router hook ran before the decoder's first layer; is the decoder loop reordered?")
-        present = self._controller.ran(previous_block) if self._controller is not None else None
-        state.stack.push(hidden - state.routed_input, present)
+        present = self._controller.ran(block) if self._controller is not None else None
+        if present is False:  # no token ran the block: its delta is absent everywhere
+            state.stack.drop()
+        else:
+            state.stack.push(hidden - state.routed_input, present)
+
+    def _mix(self, key: str) -> Tensor:
+        """Mix every source on the stream with router `key`: the input of the next block (or the final norm)."""
+        state = self._state
         routed, alpha = self.routers[key](state.stack)
         state.routed_input = routed
         state.alphas[key] = alpha
@@ -200,7 +212,10 @@ class RouterAdapter(nn.Module):
 
         It is called with `begin_forward(state)` at the first layer, `decide(block, state)` after each
         block's routing (state.routed_input is that block's input, state.alphas its routing weights) and
-        `ran(block)` when the block's delta is recorded: a bool [B, T] run mask or None (all ran).
+        `ran(block)` when the block's delta is recorded: a bool [B, T] run mask, None (all ran) or False
+        (no token ran it: the delta is dropped from the stream rather than stored as absent everywhere).
+        `bypasses(block)` True means every token skips the block and it writes no cache, so its router
+        is not run at all (the layer returns its input, whatever that is).
         """
         if controller is not None and self._controller is not None:
             raise RuntimeError("skipping is already active on this adapter; nested skip contexts are not supported")
@@ -214,7 +229,11 @@ class RouterAdapter(nn.Module):
     @property
     def last_routing_weights(self) -> dict[str, Tensor]:
         """Routing weights alpha [K, B, T] of each router in the most recent forward, keyed like `routers`."""
-        return dict(self._state.alphas)
+        stack = self._state.stack
+        if stack is None:
+            return {}
+        # Internally alpha covers the stored sources only; callers index it by source (s_0, block 0's delta, ...).
+        return {key: stack.expand(alpha, self.routers[key].num_sources) for key, alpha in self._state.alphas.items()}
 
     # -- persistence -----------------------------------------------------------------------------------
     def adapter_config(self) -> dict[str, Any]:

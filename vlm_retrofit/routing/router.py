@@ -11,10 +11,14 @@ if TYPE_CHECKING:
     from .stream import SourceStack
 
 
+def inverse_rms(x: Tensor, eps: float) -> Tensor:
+    """1 / RMS over the hidden dimension, in fp32, keeping that dimension (size 1)."""
+    return torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+
+
 def rms_normalize(x: Tensor, eps: float) -> Tensor:
     """RMS-normalise over the hidden dimension, in fp32, without a gain."""
-    x = x.float()
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return x.float() * inverse_rms(x, eps)
 
 
 class DepthRouter(nn.Module):
@@ -49,7 +53,7 @@ class DepthRouter(nn.Module):
             return self._mix_buffered(stack, k, scorer)
         logits = torch.stack([stack.key(i) @ scorer for i in range(k)])  # [K, B, T]
         if self.bias is not None:
-            logits = logits + self.bias[:k, None, None]
+            logits = logits + self._source_bias(stack, k)[:, None, None]
         count: Tensor | float = float(k)
         present = stack.present_mask(k)
         if present is not None:
@@ -62,20 +66,32 @@ class DepthRouter(nn.Module):
         mixed = mixed * (count[..., None] if isinstance(count, Tensor) else count)
         return mixed.to(stack.dtype), alpha
 
+    def _source_bias(self, stack: "SourceStack", k: int) -> Tensor:
+        index = stack.slot_index()
+        return self.bias[:k] if index is None else self.bias[index]
+
     def _mix_buffered(self, stack: "SourceStack", k: int, scorer: Tensor) -> tuple[Tensor, Tensor]:
-        # Decoding: a handful of kernels per router whatever K is (one matmul scores, one bmm mixes).
-        logits = stack.flat_keys() @ scorer  # [tokens, K]
+        # Decoding: a handful of small kernels per router whatever K is, each reading the buffer at most once
+        # (q . (v * r) == (q . v) * r scores without a normalised copy); batched matmuls over a strided
+        # [tokens, K, d] view were several times slower.
+        values = stack.flat_values()  # [K, tokens, d], contiguous
+        width = values.shape[-1]
+        logits = (values.view(-1, width) @ scorer).view(k, -1) * stack.flat_inv_rms()  # [K, tokens]
         if self.bias is not None:
-            logits = logits + self.bias[:k]
+            logits = logits + self._source_bias(stack, k)[:, None]
         present = stack.flat_present()
         if present is not None:
             logits = logits.masked_fill(~present, float("-inf"))
-            scale = present.sum(-1, keepdim=True).to(logits.dtype)
+            scale = present.sum(0, keepdim=True).to(logits.dtype)
         else:
             scale = float(k)
-        alpha = torch.softmax(logits, dim=-1)
-        mixed = torch.bmm((alpha * scale).unsqueeze(1), stack.flat_values()).squeeze(1)
-        return mixed.view(stack.shape).to(stack.dtype), alpha.t().reshape(k, *stack.shape[:-1])
+        alpha = torch.softmax(logits, dim=0)
+        weights = alpha * scale
+        if weights.shape[1] == 1:  # one token: a vector-matrix product, no [K, d] temporary
+            mixed = weights.t() @ values.view(k, width)
+        else:
+            mixed = (weights.unsqueeze(-1) * values).sum(0)
+        return mixed.view(stack.shape).to(stack.dtype), alpha.view(k, *stack.shape[:-1])
 
 
 class SkipGate(nn.Module):

@@ -3,20 +3,27 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 import torch
 from torch import Tensor
 
-from .router import rms_normalize
+from .router import inverse_rms, rms_normalize
 
 
 class SourceStack:
     """The sources written to the stream so far (s_0 = decoder input, then one delta per block).
 
+    A source no token has (its block was skipped by every token) is `drop`ped rather than stored as an
+    all-absent entry: it would take no weight and count nothing, so leaving it out is the same function
+    with less work. Stored sources keep their slot number (`slot_index`) so source biases stay aligned.
+
     Two layouts, the same values:
     * `buffered` (decoding: no autograd, few tokens): every source is copied once into a preallocated fp32
-      [tokens, capacity, d] buffer, so a router reads all of them with one matmul and mixes them with one
-      batched matmul. Re-stacking a growing list at every block costs more than the routing itself.
+      [capacity, tokens, d] buffer, whose first K slots are contiguous, with its inverse RMS beside it: a
+      router scores all of them with one matrix-vector product and mixes them with one more, reading the
+      buffer twice. Re-stacking a growing list (or a normalised copy of it) at every block costs more
+      memory traffic than the routing itself.
     * listed (training, prefill): per-source tensors, never a [K, B, T, d] copy of the stream, and in-place
       buffer writes would break autograd.
     """
@@ -31,13 +38,15 @@ class SourceStack:
         tokens = first.shape[:-1].numel()
         self.buffered = not torch.is_grad_enabled() and tokens <= self.buffer_max_tokens
         self._count = 0
+        self._slots: list[int] = []
+        self._slot_index: Tensor | None = None
         self._any_absent = False
         self._present: Tensor | list[Tensor | None]
         if self.buffered:
             width = first.shape[-1]
-            self._values = first.new_empty((tokens, capacity, width), dtype=torch.float32)
-            self._keys = torch.empty_like(self._values)
-            self._present = torch.ones((tokens, capacity), dtype=torch.bool, device=first.device)
+            self._values = first.new_empty((capacity, tokens, width), dtype=torch.float32)
+            self._inv_rms = first.new_empty((capacity, tokens), dtype=torch.float32)
+            self._present = torch.ones((capacity, tokens), dtype=torch.bool, device=first.device)
         else:
             self._values_list: list[Tensor] = []
             self._keys_list: list[Tensor] = []
@@ -45,17 +54,48 @@ class SourceStack:
         self.push(first)
 
     def __len__(self) -> int:
+        """Number of stored sources (K of the next router)."""
         return self._count
+
+    @property
+    def num_slots(self) -> int:
+        """Sources written so far, dropped ones included."""
+        return len(self._slots) + self._dropped
+
+    _dropped = 0
+
+    def drop(self) -> None:
+        """Record a source that no token has: its slot is used up, nothing is stored."""
+        self._dropped += 1
+        self._slot_index = None
+
+    def slot_index(self) -> Tensor | None:
+        """Long [K]: the slot of each stored source, or None while none was dropped (slot i = position i)."""
+        if not self._dropped:
+            return None
+        if self._slot_index is None:
+            self._slot_index = _index_tensor(tuple(self._slots), self.key(0).device)
+        return self._slot_index
+
+    def expand(self, alpha: Tensor, num_slots: int) -> Tensor:
+        """A router's weights over the stored sources [K, ...] -> over its `num_slots` sources, 0 at dropped ones."""
+        index = self.slot_index()
+        if index is None or alpha.shape[0] == num_slots:
+            return alpha
+        full = alpha.new_zeros((num_slots, *alpha.shape[1:]))
+        return full.index_copy_(0, index[: alpha.shape[0]], alpha)
 
     def push(self, source: Tensor, present: Tensor | None = None) -> None:
         """Append a source [B, T, d]; `present` is a bool [B, T] mask of the tokens that have it (None = all)."""
         i = self._count
+        self._slots.append(self.num_slots)
+        self._slot_index = None
         if self.buffered:
             flat = source.reshape(-1, source.shape[-1])
-            self._values[:, i] = flat
-            self._keys[:, i] = rms_normalize(flat, self.eps)
+            self._values[i] = flat
+            self._inv_rms[i] = inverse_rms(flat, self.eps).squeeze(-1)
             if present is not None:
-                self._present[:, i] = present.reshape(-1)
+                self._present[i] = present.reshape(-1)
         else:
             self._values_list.append(source)
             self._keys_list.append(rms_normalize(source, self.eps))
@@ -65,11 +105,13 @@ class SourceStack:
 
     def source(self, i: int) -> Tensor:
         """Source i as pushed ([B, T, d]; fp32 in the buffered layout)."""
-        return self._values[:, i].view(self.shape) if self.buffered else self._values_list[i]
+        return self._values[i].view(self.shape) if self.buffered else self._values_list[i]
 
     def key(self, i: int) -> Tensor:
         """The RMS-normalised fp32 key of source i, [B, T, d]."""
-        return self._keys[:, i].view(self.shape) if self.buffered else self._keys_list[i]
+        if self.buffered:
+            return (self._values[i] * self._inv_rms[i, :, None]).view(self.shape)
+        return self._keys_list[i]
 
     def present_mask(self, k: int | None = None) -> Tensor | None:
         """Bool [k, B, T] of which of the first k sources each token has; None when every token has all."""
@@ -77,7 +119,7 @@ class SourceStack:
         if not self._any_absent:
             return None
         if self.buffered:
-            return self._present[:, :k].t().reshape(k, *self.shape[:-1])
+            return self._present[:k].view(k, *self.shape[:-1])
         masks = self._present[:k]
         if all(p is None for p in masks):
             return None
@@ -86,16 +128,22 @@ class SourceStack:
 
     # -- the buffered layout, for the router -----------------------------------------------------------
     def flat_values(self) -> Tensor:
-        """[tokens, K, d] fp32 view of every source (buffered layout only)."""
-        return self._values[:, : self._count]
+        """[K, tokens, d] fp32 view of every source (buffered layout only)."""
+        return self._values[: self._count]
 
-    def flat_keys(self) -> Tensor:
-        """[tokens, K, d] fp32 view of every key (buffered layout only)."""
-        return self._keys[:, : self._count]
+    def flat_inv_rms(self) -> Tensor:
+        """[K, tokens] fp32 inverse RMS of every source: its key is value * inv_rms (buffered layout only)."""
+        return self._inv_rms[: self._count]
 
     def flat_present(self) -> Tensor | None:
-        """[tokens, K] bool presence, or None when every token has every source (buffered layout only)."""
-        return self._present[:, : self._count] if self._any_absent else None
+        """[K, tokens] bool presence, or None when every token has every source (buffered layout only)."""
+        return self._present[: self._count] if self._any_absent else None
+
+
+@lru_cache(maxsize=1024)
+def _index_tensor(slots: tuple[int, ...], device: torch.device) -> Tensor:
+    # A fixed skip pattern (static removal) repeats the same slot lists at every decoding step.
+    return torch.tensor(slots, device=device)
 
 
 @dataclass

@@ -22,6 +22,17 @@ class SkipPolicy:
         """Bool [B, T]: True where the token skips the block; None = every token runs it."""
         raise NotImplementedError
 
+    def may_skip(self, layout: BlockLayout) -> tuple[int, ...]:
+        """The blocks this policy can ever skip; the runtime patches only their layers."""
+        return layout.skippable_blocks
+
+    def removed_blocks(self) -> frozenset[int]:
+        """Blocks that every token skips at every step for as long as the policy is active.
+
+        No token ever reads their KV cache, so the runtime writes none for them (no kv-only work at all).
+        """
+        return frozenset()
+
 
 def _check_blocks(what: str, blocks, layout: BlockLayout) -> None:
     bad = sorted(b for b in blocks if b not in layout.skippable_blocks)
@@ -119,6 +130,12 @@ class StaticPolicy(SkipPolicy):
 
     def validate(self, layout: BlockLayout, adapter: Any) -> None:
         _check_blocks("static blocks", self.blocks, layout)
+
+    def may_skip(self, layout: BlockLayout) -> tuple[int, ...]:
+        return tuple(b for b in layout.skippable_blocks if b in self.blocks)
+
+    def removed_blocks(self) -> frozenset[int]:
+        return self.blocks
 
     def skip_mask(self, block: int, state: Any, adapter: Any) -> Tensor | None:
         if block not in self.blocks:

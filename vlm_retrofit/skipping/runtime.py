@@ -75,15 +75,39 @@ class SkipController:
                                  block_layers=[len(self.layout.layers_of_block(b)) for b in range(self.layout.num_blocks)])
         self.cost = LayerCost.from_config(adapter.spec.get_text_config(adapter.model))
         self._skip: dict[int, Tensor | None] = {}
+        self._none_ran: set[int] = set()
+        """Blocks that every token skips in this forward (their delta is dropped from the stream)."""
+        self.cacheless_blocks = self._cacheless_blocks(adapter, policy)
+        """Blocks no token runs while this context lasts: identity with no cache write at all."""
+        self._context_length: int | None = None
+        """Tokens already in the cache when this forward began (read before any layer writes)."""
+        self._inputs_captured = False
         self._used: Tensor | None = None
         self._forward_counted = False
-        self._unpatched_layers = self.layout.num_layers - sum(len(self.layout.layers_of_block(b)) for b in self.skippable)
+        # Only the layers of blocks the policy can skip go through the patched forward; the rest run untouched.
+        self.patched_blocks = tuple(policy.may_skip(self.layout)) if policy is not None else self.layout.skippable_blocks
+        self._unpatched_layers = self.layout.num_layers - sum(len(self.layout.layers_of_block(b)) for b in self.patched_blocks)
         self._restore: list[tuple[nn.Module, Any]] = []
         self._started = 0.0
         self._image_ids = torch.tensor(sorted(adapter.spec.image_token_ids(unwrap_model(adapter.model).config)))
         self._token_is_image: Tensor | None = None
         self._token_is_real: Tensor | None = None
         self._real_tokens: int | None = None
+
+    def _cacheless_blocks(self, adapter: RouterAdapter, policy: SkipPolicy | None) -> frozenset[int]:
+        """The policy's always-skipped blocks whose empty cache nothing reads.
+
+        Under a budget only the first `budget` of them are skipped (in block order, the same for every token).
+        HF sizes masks from the cache of layer 0 and of the first layer of each attention type (sliding
+        window, full), so blocks holding one of those keep the kv-only write.
+        """
+        removed = sorted(policy.removed_blocks()) if policy is not None else []
+        if self.budget is not None:
+            removed = removed[: self.budget]
+        config = adapter.spec.get_text_config(adapter.model)
+        layer_types = list(getattr(config, "layer_types", None) or [])
+        anchors = {0} | {layer_types.index(kind) for kind in set(layer_types)}
+        return frozenset(b for b in removed if not anchors & set(self.layout.layers_of_block(b)))
 
     # -- context ---------------------------------------------------------------------------------------
     def __enter__(self) -> SkipReport:
@@ -94,8 +118,8 @@ class SkipController:
         layers = adapter.spec.get_layers(adapter.model)
         try:
             top = unwrap_model(adapter.model)
-            self._restore.append((top.register_forward_pre_hook(self._capture_input_ids, with_kwargs=True), None))
-            for block in self.layout.skippable_blocks:
+            self._restore.append((top.register_forward_pre_hook(self._capture_inputs, with_kwargs=True), None))
+            for block in self.patched_blocks:
                 for index in self.layout.layers_of_block(block):
                     self._patch(block, layers[index])
         except BaseException:
@@ -122,7 +146,7 @@ class SkipController:
         self._restore.append((layer, layer.__dict__["forward"] if had_instance_forward else None))
         layer.forward = forward
 
-    def _capture_input_ids(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+    def _capture_inputs(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         # Which positions are visual placeholders: per-modality thresholds need it at every layer.
         input_ids = kwargs.get("input_ids", args[0] if args else None)
         self._token_is_image = None
@@ -130,6 +154,10 @@ class SkipController:
             self._token_is_image = torch.isin(input_ids, self._image_ids.to(input_ids.device))
         mask = kwargs.get("attention_mask")
         self._token_is_real = mask.bool() if isinstance(mask, Tensor) and mask.dim() == 2 else None
+        # Layer 0 (never cacheless) holds the cache's length; a removed layer's own cache stays empty.
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        self._context_length = cache.get_seq_length() if hasattr(cache, "get_seq_length") else 0
+        self._inputs_captured = True
 
     def _unpatch(self) -> None:
         for layer, previous in reversed(self._restore):
@@ -143,23 +171,34 @@ class SkipController:
 
     # -- adapter callbacks -----------------------------------------------------------------------------
     def begin_forward(self, state: Any) -> None:
+        if not self._inputs_captured:  # the decoder was called directly, not through the model's top
+            self._token_is_image = self._token_is_real = self._context_length = None
+        self._inputs_captured = False
         tokens_shape = state.stack.shape[:-1]
         if self._token_is_image is not None and self._token_is_image.shape == tokens_shape:
             state.token_is_image = self._token_is_image
         if self._token_is_real is not None and self._token_is_real.shape == tokens_shape:
             state.token_is_real = self._token_is_real
         self._skip.clear()
+        self._none_ran.clear()
         self._used = None
         self._real_tokens = None
         self._forward_counted = False
+        if self._context_length is not None:  # known before any layer runs (else the first patched layer counts)
+            self._count_forward(tokens_shape[0], tokens_shape[1], self._context_length)
 
     def decide(self, block: int, state: Any) -> None:
         if block not in self.skippable or self.policy is None:
             self._skip[block] = None
             return
         skip = self._apply_budget(self.policy.skip_mask(block, state, self.adapter))
-        self._skip[block] = skip
         self._record_decision(block, state, skip)
+        # Settle "nobody skips" and "everybody skips" once per block: the layer and the stream take fast paths.
+        if skip is not None and not bool(skip.any()):
+            skip = None
+        elif skip is not None and bool(skip.all()):
+            self._none_ran.add(block)
+        self._skip[block] = skip
 
     def _record_decision(self, block: int, state: Any, skip: Tensor | None) -> None:
         """Skip rates count real tokens only: padding positions are computed but are nobody's output."""
@@ -180,10 +219,29 @@ class SkipController:
         self._used += skip.to(torch.int32)
         return skip
 
-    def ran(self, block: int) -> Tensor | None:
-        """Bool [B, T] run mask of `block` in this forward (None: every token ran it)."""
+    def bypasses(self, block: int) -> bool:
+        """True when no token runs `block` and it writes no cache: the adapter does not even route its input."""
+        return block in self.cacheless_blocks
+
+    def ran(self, block: int) -> Tensor | bool | None:
+        """Bool [B, T] run mask of `block` in this forward (None: every token ran it; False: none did)."""
+        if block in self._none_ran:
+            return False
         skip = self._skip.get(block)
         return None if skip is None else ~skip
+
+    def _count_forward(self, batch: int, new_tokens: int, past: int) -> None:
+        """Once per forward: its tokens, and the full cost of the layers that are not patched (they always run)."""
+        if self._forward_counted:
+            return
+        self._forward_counted = True
+        phase = self.report.phase(past == 0)
+        phase.forwards += 1
+        phase.tokens += batch * new_tokens
+        self.report.generated_tokens += batch  # each forward of generate yields one token per row
+        always = self.cost.full(batch, new_tokens, past + new_tokens) * self._unpatched_layers
+        phase.executed_flops += always
+        phase.full_flops += always
 
     # -- the patched layer -----------------------------------------------------------------------------
     def _layer_forward(self, block: int, layer: nn.Module, parts: Any, original: Callable, args: tuple, kwargs: dict) -> Any:
@@ -191,22 +249,18 @@ class SkipController:
         skip = self._skip.get(block) if self.adapter.enabled else None
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         batch, new_tokens = hidden.shape[0], hidden.shape[1]
-        past = cache.get_seq_length(parts.attention.layer_idx) if cache is not None else 0
+        past = self._context_length
+        if past is None:  # the model's top was bypassed: this layer's own cache has the length before it writes
+            past = cache.get_seq_length(parts.attention.layer_idx) if cache is not None else 0
+        self._count_forward(batch, new_tokens, past)
         is_prefill = past == 0
         full = self.cost.full(batch, new_tokens, past + new_tokens)
-        if not self._forward_counted:
-            self._forward_counted = True
-            phase = self.report.phase(is_prefill)
-            phase.forwards += 1
-            phase.tokens += batch * new_tokens
-            self.report.generated_tokens += batch  # each forward of generate yields one token per row
-            # Never-skip layers are not patched; they always run in full.
-            always = self.cost.full(batch, new_tokens, past + new_tokens) * self._unpatched_layers
-            phase.executed_flops += always
-            phase.full_flops += always
-        if skip is None or (self.mode == "select" and not bool(skip.any())):
+        if skip is None:
             self.report.record_layer("full", full, full, is_prefill)
             return original(*args, **kwargs)
+        if block in self.cacheless_blocks:
+            self.report.record_layer("skipped", 0, full, is_prefill)
+            return hidden
         if self.kv_only_when_all_skip and self._skips_whole_layer(block, skip):
             kv_only(layer, parts, hidden, kwargs)
             kind = "kv_only" if cache is not None else "skipped"
@@ -218,7 +272,7 @@ class SkipController:
 
     def _skips_whole_layer(self, block: int, skip: Tensor) -> bool:
         """Every token skips and nothing needs the layer's output: take the kv-only path, run nothing else."""
-        return self.mode == "select" and bool(skip.all())
+        return block in self._none_ran
 
     def _combine(self, block: int, hidden: Tensor, out: Tensor, skip: Tensor) -> Tensor:
         return torch.where(skip[..., None], hidden, out)

@@ -63,6 +63,7 @@ class SkipSimulation(SkipController):
             self._multiplier[block] = torch.zeros(skip.shape, device=routed.device)
             self.expected_keep[block] = torch.zeros((), device=routed.device)
             self.realised_keep[block] = 0.0
+            self._none_ran.add(block)  # its delta is dropped from the stream, as at inference
             self._record_decision(block, state, skip)
             return
         run = self._uniform(routed[..., 0]) >= self.drop_rate
@@ -81,6 +82,10 @@ class SkipSimulation(SkipController):
         self.expected_keep[block] = keep_prob
         self.realised_keep[block] = 1.0 - float(skip.float().mean())
         self._record_decision(block, state, skip)
+
+    def bypasses(self, block: int) -> bool:
+        # A removed block's routed input would feed a layer whose output nothing uses: do not compute it.
+        return block in self.removed_blocks
 
     def _skips_whole_layer(self, block: int, skip: Tensor) -> bool:
         # A removed block's multiplier is 0 with no gate behind it: its output carries neither value nor gradient.
