@@ -41,6 +41,8 @@ class Variant:
 TEXT_KL = {"query_lr_scale": 0.04, "distill_positions": "text"}
 ROUTED = {**TEXT_KL, "use_gates": False, "max_drop_rate": 0.0, "lr": 2e-3}
 LORA_QVO = {"r": 8, "lora_alpha": 16, "target_modules": r".*language_model.*\.(q_proj|v_proj|o_proj)"}
+LORA_ALL = {"r": 16, "lora_alpha": 32,
+            "target_modules": r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"}
 VARIANTS = {
     # Routers trained under a removal schedule (a random prefix of the removal order skipped by every token),
     # evaluated with the static policy removing a prefix of that same order: the routers re-weight around the gap.
@@ -49,6 +51,10 @@ VARIANTS = {
     # One operating point: always the speed target's blocks removed, LoRA healing that configuration only.
     "routed_static_lora_fixed": Variant("routed_static_lora_fixed", "static", {"block_size": 1},
                                         {**ROUTED, "lora": LORA_QVO}, fixed_removal=True),
+    # The same point healed by LoRA on every projection, attention and MLP (r16): more capacity than q/v/o r8,
+    # whose training KL flattened early.
+    "routed_static_lora_mlp_fixed": Variant("routed_static_lora_mlp_fixed", "static", {"block_size": 1},
+                                            {**ROUTED, "lora": LORA_ALL}, fixed_removal=True),
     # Per-token policies: learned gates pulled to a compute target, and the ReSkip recent-weight rule under a
     # drop-rate curriculum; same query lr and KL positions as the routed variants.
     "gate": Variant("gate", "gate", {"block_size": 1, "skip_gate": True},
@@ -130,7 +136,8 @@ def train_variant(variant: Variant, backbone: str, shards: dict[str, Any], minut
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__)
     parser.add_argument("--variants", nargs="+",
-                        default=["routed_static", "routed_static_lora", "routed_static_lora_fixed", "gate", "recent_weight"],
+                        default=["routed_static", "routed_static_lora", "routed_static_lora_fixed", "routed_static_lora_mlp_fixed",
+                                 "gate", "recent_weight"],
                         choices=sorted(VARIANTS))
     parser.add_argument("--train-minutes", type=float, default=15.0, help="distillation budget per variant (wall clock)")
     parser.add_argument("--batch-size", type=int, default=4)
