@@ -184,3 +184,48 @@ def test_calibration_refuses_unreachable_targets():
     model, processor, adapter = _model(layers=4)  # 2 of 4 layers skippable
     with pytest.raises(ValueError, match=r"target_saving must be in \(0, 0.500\]"):
         calibrate(adapter, [tiny_inputs(processor)], target_saving=0.6)
+
+
+def test_routing_with_dropped_sources_under_inference_mode_then_training_backpropagates():
+    # Lightning validates under inference_mode; a later training step with the same removed blocks must still
+    # be able to save its (cached) slot index for backward.
+    from vlm_retrofit.routing.stream import _index_tensor
+
+    _index_tensor.cache_clear()
+    model, processor, adapter = _model()
+    inputs = tiny_inputs(processor)
+    with torch.inference_mode(), SkipSimulation(adapter, removed_blocks=[2]):
+        model(**inputs)
+    with SkipSimulation(adapter, removed_blocks=[2]):
+        loss = model(**inputs).logits.float().pow(2).mean()
+    loss.backward()
+    assert adapter.routers["3"].bias.grad is not None and adapter.routers["3"].bias.grad[3] == 0  # block 2's slot
+
+
+def test_a_cache_filled_under_static_removal_is_refused_elsewhere_and_continues_under_the_same_removal():
+    model, processor, adapter = _model()
+    inputs = tiny_inputs(processor)
+    with torch.no_grad():
+        with adapter.skipping(StaticPolicy(blocks=[2])):
+            first = model(**inputs, use_cache=True)
+        cache = first.past_key_values
+        assert not cache.layers[2].is_initialized  # removed: nothing was written
+        step = {"input_ids": first.logits[:, -1:].argmax(-1), "cache": cache, "use_cache": True,
+                "attention_mask": torch.cat([inputs["attention_mask"], torch.ones_like(inputs["attention_mask"][:, :1])], 1)}
+        for context in (adapter.disabled, lambda: adapter.skipping(StaticPolicy(blocks=[1])), torch.no_grad):
+            with context(), pytest.raises(RuntimeError, match=r"static removal of layers \[2\].*new cache"):
+                model(**step)
+        with adapter.skipping(StaticPolicy(blocks=[2, 3])) as report:  # a superset: layer 2 stays removed
+            model(**step)
+    assert report.decode.forwards == 1 and report.prefill.forwards == 0
+
+
+def test_accounting_reads_the_context_length_when_the_decoder_is_called_directly():
+    model, processor, adapter = _model()
+    decoder = model.model  # LlamaModel: the causal-LM top (and its input capture) is bypassed
+    with torch.no_grad(), adapter.skipping(StaticPolicy(blocks=[1, 2])) as report:
+        cache = DynamicCache(config=model.config)
+        decoder(input_ids=torch.tensor([[5, 6, 7]]), cache=cache, use_cache=True)
+        decoder(input_ids=torch.tensor([[8]]), cache=cache, use_cache=True)
+    assert (report.prefill.forwards, report.decode.forwards) == (1, 1)
+    assert report.prefill.tokens == 3 and report.decode.tokens == 1

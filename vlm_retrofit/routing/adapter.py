@@ -25,6 +25,8 @@ CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
 FORMAT_VERSION = 1
 FINAL = "final"
+CACHELESS_LAYERS = "_vlm_retrofit_cacheless_layers"
+"""Attribute a skip context sets on a KV cache: the layers it wrote no K/V for (statically removed)."""
 
 # model -> its attached adapter; weak so that a dropped model does not stay alive through the registry.
 _ATTACHED: "weakref.WeakKeyDictionary[nn.Module, RouterAdapter]" = weakref.WeakKeyDictionary()
@@ -145,6 +147,9 @@ class RouterAdapter(nn.Module):
     # -- hooks -----------------------------------------------------------------------------------------
     def _block_hook(self, block: int):
         def hook(module: nn.Module, args: tuple, kwargs: dict):
+            cache = kwargs.get("cache", kwargs.get("past_key_values")) if block == 0 else None
+            if cache is not None:
+                self._check_cache(cache)  # also for the base function (disabled routers): it runs every layer
             if not self._enabled:
                 return None
             hidden = _hidden_from(args, kwargs)
@@ -152,7 +157,9 @@ class RouterAdapter(nn.Module):
             if block == 0:
                 self._follow_device(hidden)
                 stack = SourceStack(hidden, self.layout.num_blocks + 1, self.config.key_norm_eps)
-                self._state = StreamState(stack=stack, routed_input=hidden)
+                # Read before layer 0 writes: the tokens the cache already holds (0 in prefill or without one).
+                context = int(cache.get_seq_length()) if hasattr(cache, "get_seq_length") else 0
+                self._state = StreamState(stack=stack, routed_input=hidden, context_length=context)
                 if controller is not None:
                     controller.begin_forward(self._state)
                     controller.decide(0, self._state)
@@ -168,6 +175,18 @@ class RouterAdapter(nn.Module):
             return _with_hidden(args, kwargs, routed)
 
         return hook
+
+    def _check_cache(self, cache: Any) -> None:
+        """Refuse a cache that lacks K/V for layers this forward would run (written under static removal)."""
+        missing = getattr(cache, CACHELESS_LAYERS, None)
+        if not missing:
+            return
+        allowed = getattr(self._controller, "cacheless_layers", frozenset()) if self._enabled else frozenset()
+        if not missing <= allowed:
+            raise RuntimeError(
+                f"this KV cache was filled under static removal of layers {sorted(missing)}, which hold no K/V in it; "
+                "continue it only under the same static skipping, or start a new cache (e.g. a new generate call)"
+            )
 
     def _final_hook(self, module: nn.Module, args: tuple, kwargs: dict):
         if not self._enabled:

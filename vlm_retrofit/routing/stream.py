@@ -21,8 +21,8 @@ class SourceStack:
     Two layouts, the same values:
     * `buffered` (decoding: no autograd, few tokens): every source is copied once into a preallocated fp32
       [capacity, tokens, d] buffer, whose first K slots are contiguous, with its inverse RMS beside it: a
-      router scores all of them with one matrix-vector product and mixes them with one more, reading the
-      buffer twice. Re-stacking a growing list (or a normalised copy of it) at every block costs more
+      router scores all of them with one matrix-vector product and mixes them with one more (a multiply-sum
+      for several tokens), reading the buffer twice. Re-stacking a growing list (or a normalised copy of it) at every block costs more
       memory traffic than the routing itself.
     * listed (training, prefill): per-source tensors, never a [K, B, T, d] copy of the stream, and in-place
       buffer writes would break autograd.
@@ -38,7 +38,9 @@ class SourceStack:
         tokens = first.shape[:-1].numel()
         self.buffered = not torch.is_grad_enabled() and tokens <= self.buffer_max_tokens
         self._count = 0
+        self.device = first.device
         self._slots: list[int] = []
+        self._dropped = 0
         self._slot_index: Tensor | None = None
         self._any_absent = False
         self._present: Tensor | list[Tensor | None]
@@ -62,8 +64,6 @@ class SourceStack:
         """Sources written so far, dropped ones included."""
         return len(self._slots) + self._dropped
 
-    _dropped = 0
-
     def drop(self) -> None:
         """Record a source that no token has: its slot is used up, nothing is stored."""
         self._dropped += 1
@@ -74,7 +74,10 @@ class SourceStack:
         if not self._dropped:
             return None
         if self._slot_index is None:
-            self._slot_index = _index_tensor(tuple(self._slots), self.key(0).device)
+            # A normal tensor even under inference_mode: the cache outlives this forward, and a later training
+            # step indexes the bias with it (inference tensors cannot be saved for backward).
+            with torch.inference_mode(False):
+                self._slot_index = _index_tensor(tuple(self._slots), self.device)
         return self._slot_index
 
     def expand(self, alpha: Tensor, num_slots: int) -> Tensor:
@@ -157,3 +160,5 @@ class StreamState:
     """Bool [B, T] of visual-placeholder positions, when a skip context knows the input ids."""
     token_is_real: Tensor | None = None
     """Bool [B, T]: False at padding positions, when a skip context knows the attention mask."""
+    context_length: int = 0
+    """Tokens the KV cache held when this forward began (0 in prefill or without a cache)."""

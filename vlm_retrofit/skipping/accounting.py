@@ -73,7 +73,9 @@ class SkipReport:
 
     `executed_flops / full_flops` covers decoder blocks only (embeddings, vision tower and LM head are the
     same with and without skipping). A layer counts as executed whenever it ran for any token of the step
-    (mixed steps compute and select); a layer skipped by every token costs its kv-only cache write.
+    (mixed steps compute and select); a layer skipped by every token costs its kv-only cache write, and a
+    layer a static policy removes for the whole context costs nothing (no token ever reads its cache).
+    Forwards run with the routers disabled (e.g. a distillation teacher) are not counted.
     """
 
     num_blocks: int
@@ -85,6 +87,8 @@ class SkipReport:
     block_tokens: list[int] = field(default_factory=list)
     block_skipped_tokens: list[int] = field(default_factory=list)
     layer_calls: dict[str, int] = field(default_factory=lambda: {"full": 0, "mixed": 0, "kv_only": 0, "skipped": 0})
+    """Calls of the layers the policy may skip, by what they ran (a static policy's other layers are not
+    patched and not counted here; their FLOPs are in the phase counts all the same)."""
     wall_seconds: float = 0.0
     generated_tokens: int = 0
 

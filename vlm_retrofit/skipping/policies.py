@@ -121,7 +121,12 @@ class GatePolicy(SkipPolicy):
 
 
 class StaticPolicy(SkipPolicy):
-    """A fixed set of blocks removed for every token (e.g. chosen by Block Influence on calibration data)."""
+    """A fixed set of blocks removed for every token (e.g. chosen by Block Influence on calibration data).
+
+    While it is active the removed layers run nothing and write no KV cache (nobody would read it), except
+    those that HF sizes attention masks from. A cache filled this way is refused by any later forward that
+    would run those layers: continue it only under the same removal, or start a new one.
+    """
 
     name = "static"
 

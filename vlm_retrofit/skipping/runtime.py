@@ -9,7 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from ..backbones import unwrap_model
-from ..routing.adapter import RouterAdapter
+from ..routing.adapter import CACHELESS_LAYERS, RouterAdapter
 from .accounting import LayerCost, SkipReport
 from .policies import SkipPolicy
 
@@ -79,11 +79,9 @@ class SkipController:
         """Blocks that every token skips in this forward (their delta is dropped from the stream)."""
         self.cacheless_blocks = self._cacheless_blocks(adapter, policy)
         """Blocks no token runs while this context lasts: identity with no cache write at all."""
-        self._context_length: int | None = None
-        """Tokens already in the cache when this forward began (read before any layer writes)."""
-        self._inputs_captured = False
+        self._context_length = 0
+        """Tokens already in the cache when the current forward began."""
         self._used: Tensor | None = None
-        self._forward_counted = False
         # Only the layers of blocks the policy can skip go through the patched forward; the rest run untouched.
         self.patched_blocks = tuple(policy.may_skip(self.layout)) if policy is not None else self.layout.skippable_blocks
         self._unpatched_layers = self.layout.num_layers - sum(len(self.layout.layers_of_block(b)) for b in self.patched_blocks)
@@ -105,6 +103,8 @@ class SkipController:
         if self.budget is not None:
             removed = removed[: self.budget]
         config = adapter.spec.get_text_config(adapter.model)
+        if getattr(config, "num_kv_shared_layers", 0):  # later layers read earlier layers' caches
+            return frozenset()
         layer_types = list(getattr(config, "layer_types", None) or [])
         anchors = {0} | {layer_types.index(kind) for kind in set(layer_types)}
         return frozenset(b for b in removed if not anchors & set(self.layout.layers_of_block(b)))
@@ -118,7 +118,7 @@ class SkipController:
         layers = adapter.spec.get_layers(adapter.model)
         try:
             top = unwrap_model(adapter.model)
-            self._restore.append((top.register_forward_pre_hook(self._capture_inputs, with_kwargs=True), None))
+            self._restore.append((top.register_forward_pre_hook(self._capture_input_ids, with_kwargs=True), None))
             for block in self.patched_blocks:
                 for index in self.layout.layers_of_block(block):
                     self._patch(block, layers[index])
@@ -146,7 +146,7 @@ class SkipController:
         self._restore.append((layer, layer.__dict__["forward"] if had_instance_forward else None))
         layer.forward = forward
 
-    def _capture_inputs(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+    def _capture_input_ids(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         # Which positions are visual placeholders: per-modality thresholds need it at every layer.
         input_ids = kwargs.get("input_ids", args[0] if args else None)
         self._token_is_image = None
@@ -154,10 +154,6 @@ class SkipController:
             self._token_is_image = torch.isin(input_ids, self._image_ids.to(input_ids.device))
         mask = kwargs.get("attention_mask")
         self._token_is_real = mask.bool() if isinstance(mask, Tensor) and mask.dim() == 2 else None
-        # Layer 0 (never cacheless) holds the cache's length; a removed layer's own cache stays empty.
-        cache = kwargs.get("cache", kwargs.get("past_key_values"))
-        self._context_length = cache.get_seq_length() if hasattr(cache, "get_seq_length") else 0
-        self._inputs_captured = True
 
     def _unpatch(self) -> None:
         for layer, previous in reversed(self._restore):
@@ -171,9 +167,6 @@ class SkipController:
 
     # -- adapter callbacks -----------------------------------------------------------------------------
     def begin_forward(self, state: Any) -> None:
-        if not self._inputs_captured:  # the decoder was called directly, not through the model's top
-            self._token_is_image = self._token_is_real = self._context_length = None
-        self._inputs_captured = False
         tokens_shape = state.stack.shape[:-1]
         if self._token_is_image is not None and self._token_is_image.shape == tokens_shape:
             state.token_is_image = self._token_is_image
@@ -183,13 +176,21 @@ class SkipController:
         self._none_ran.clear()
         self._used = None
         self._real_tokens = None
-        self._forward_counted = False
-        if self._context_length is not None:  # known before any layer runs (else the first patched layer counts)
-            self._count_forward(tokens_shape[0], tokens_shape[1], self._context_length)
+        self._context_length = state.context_length  # a removed layer's own cache stays empty: not its length
+        self._count_forward(tokens_shape[0], tokens_shape[1], self._context_length)
 
     def decide(self, block: int, state: Any) -> None:
+        self._skip[block] = None
         if block not in self.skippable or self.policy is None:
-            self._skip[block] = None
+            return
+        if block in self.cacheless_blocks:  # every token skips it, by the policy's own declaration
+            if self.budget is not None:
+                self._apply_budget(torch.ones(state.stack.shape[:-1], dtype=torch.bool, device=state.stack.device))
+            self._none_ran.add(block)
+            self._record_decision(block, state, None, everyone=True)
+            return
+        if block not in self.patched_blocks:  # the policy never skips it (its layers are not even patched)
+            self._record_decision(block, state, None)
             return
         skip = self._apply_budget(self.policy.skip_mask(block, state, self.adapter))
         self._record_decision(block, state, skip)
@@ -200,12 +201,12 @@ class SkipController:
             self._none_ran.add(block)
         self._skip[block] = skip
 
-    def _record_decision(self, block: int, state: Any, skip: Tensor | None) -> None:
+    def _record_decision(self, block: int, state: Any, skip: Tensor | None, *, everyone: bool = False) -> None:
         """Skip rates count real tokens only: padding positions are computed but are nobody's output."""
         real = state.token_is_real
         if self._real_tokens is None:  # once per forward: the same for every block
             self._real_tokens = int(real.sum()) if real is not None else state.routed_input.shape[:-1].numel()
-        skipped = 0
+        skipped = self._real_tokens if everyone else 0
         if skip is not None:
             skipped = int((skip & real).sum()) if real is not None else int(skip.sum())
         self.report.record_decision(block, self._real_tokens, skipped)
@@ -218,6 +219,11 @@ class SkipController:
         skip = skip & (self._used < self.budget)
         self._used += skip.to(torch.int32)
         return skip
+
+    @property
+    def cacheless_layers(self) -> frozenset[int]:
+        """Layer indices of `cacheless_blocks`: a cache filled here holds no K/V for them."""
+        return frozenset(i for b in self.cacheless_blocks for i in self.layout.layers_of_block(b))
 
     def bypasses(self, block: int) -> bool:
         """True when no token runs `block` and it writes no cache: the adapter does not even route its input."""
@@ -232,9 +238,6 @@ class SkipController:
 
     def _count_forward(self, batch: int, new_tokens: int, past: int) -> None:
         """Once per forward: its tokens, and the full cost of the layers that are not patched (they always run)."""
-        if self._forward_counted:
-            return
-        self._forward_counted = True
         phase = self.report.phase(past == 0)
         phase.forwards += 1
         phase.tokens += batch * new_tokens
@@ -245,22 +248,27 @@ class SkipController:
 
     # -- the patched layer -----------------------------------------------------------------------------
     def _layer_forward(self, block: int, layer: nn.Module, parts: Any, original: Callable, args: tuple, kwargs: dict) -> Any:
+        if not self.adapter.enabled:  # e.g. the distillation teacher: the plain layer, outside the report
+            return original(*args, **kwargs)
         hidden = _hidden_of(args, kwargs)
-        skip = self._skip.get(block) if self.adapter.enabled else None
+        skip = self._skip.get(block)
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         batch, new_tokens = hidden.shape[0], hidden.shape[1]
         past = self._context_length
-        if past is None:  # the model's top was bypassed: this layer's own cache has the length before it writes
-            past = cache.get_seq_length(parts.attention.layer_idx) if cache is not None else 0
-        self._count_forward(batch, new_tokens, past)
         is_prefill = past == 0
         full = self.cost.full(batch, new_tokens, past + new_tokens)
+        if block in self.cacheless_blocks:
+            if not getattr(cache, "offloading", False):
+                _mark_cacheless(cache, parts.attention.layer_idx)
+                self.report.record_layer("skipped", 0, full, is_prefill)
+                return hidden
+            # An offloading cache prefetches layer i + 1 when layer i writes: every layer keeps writing.
+            kv_only(layer, parts, hidden, kwargs)
+            self.report.record_layer("kv_only", self.cost.kv_only(batch, new_tokens), full, is_prefill)
+            return hidden
         if skip is None:
             self.report.record_layer("full", full, full, is_prefill)
             return original(*args, **kwargs)
-        if block in self.cacheless_blocks:
-            self.report.record_layer("skipped", 0, full, is_prefill)
-            return hidden
         if self.kv_only_when_all_skip and self._skips_whole_layer(block, skip):
             kv_only(layer, parts, hidden, kwargs)
             kind = "kv_only" if cache is not None else "skipped"
@@ -276,6 +284,15 @@ class SkipController:
 
     def _combine(self, block: int, hidden: Tensor, out: Tensor, skip: Tensor) -> Tensor:
         return torch.where(skip[..., None], hidden, out)
+
+
+def _mark_cacheless(cache: Any, layer_idx: int) -> None:
+    """Note on the cache that `layer_idx` wrote nothing, so that a forward running that layer later is refused."""
+    if cache is None:
+        return
+    marked = getattr(cache, CACHELESS_LAYERS, frozenset())
+    if layer_idx not in marked:
+        setattr(cache, CACHELESS_LAYERS, marked | {layer_idx})
 
 
 def _resolve_budget(budget: int | float | None, skippable: int) -> int | None:
