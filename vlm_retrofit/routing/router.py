@@ -18,7 +18,8 @@ def inverse_rms(x: Tensor, eps: float) -> Tensor:
 
 def rms_normalize(x: Tensor, eps: float) -> Tensor:
     """RMS-normalise over the hidden dimension, in fp32, without a gain."""
-    return x.float() * inverse_rms(x, eps)
+    x = x.float()  # once: inverse_rms's own cast is then a no-op
+    return x * inverse_rms(x, eps)
 
 
 class DepthRouter(nn.Module):

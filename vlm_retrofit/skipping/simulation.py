@@ -63,7 +63,9 @@ class SkipSimulation(SkipController):
             self._multiplier[block] = torch.zeros(skip.shape, device=routed.device)
             self.expected_keep[block] = torch.zeros((), device=routed.device)
             self.realised_keep[block] = 0.0
-            self._none_ran.add(block)  # its delta is dropped from the stream, as at inference
+            # Its delta is dropped from the stream, as at inference, and its layer runs nothing: the multiplier
+            # is 0 with no gate behind it, so the output would carry neither value nor gradient.
+            self._none_ran.add(block)
             self._record_decision(block, state, skip)
             return
         run = self._uniform(routed[..., 0]) >= self.drop_rate
@@ -87,9 +89,6 @@ class SkipSimulation(SkipController):
         # A removed block's routed input would feed a layer whose output nothing uses: do not compute it.
         return block in self.removed_blocks
 
-    def _skips_whole_layer(self, block: int, skip: Tensor) -> bool:
-        # A removed block's multiplier is 0 with no gate behind it: its output carries neither value nor gradient.
-        return (block in self.removed_blocks and self.adapter.enabled) or super()._skips_whole_layer(block, skip)
 
     def _combine(self, block: int, hidden: Tensor, out: Tensor, skip: Tensor) -> Tensor:
         multiplier = self._multiplier[block].to(hidden.dtype)[..., None]
