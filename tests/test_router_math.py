@@ -100,7 +100,7 @@ def test_buffered_decode_layout_equals_the_listed_layout():
     for mask in (None, present):
         with torch.no_grad():
             stack = _stack(sources, mask)
-            assert stack.buffered  # few tokens, no autograd: the decode layout ...
+            assert stack.buffered  # no autograd: the buffered layout ...
             buffered = router(stack)
         listed_stack = _stack(sources, mask)
         assert not listed_stack.buffered  # ... and with autograd the per-source lists
@@ -114,10 +114,43 @@ def test_buffered_decode_layout_equals_the_listed_layout():
             torch.testing.assert_close(stack.present_mask(), listed_stack.present_mask())
 
 
-def test_buffered_layout_is_not_used_for_many_tokens():
+def test_buffered_layout_is_not_used_past_its_memory_cap(monkeypatch):
+    first = torch.randn(1, 4, 8)
     with torch.no_grad():
-        stack = SourceStack(torch.randn(1, SourceStack.buffer_max_tokens + 1, 8), 3, 1e-6)
-    assert not stack.buffered
+        assert SourceStack(first, 3, 1e-6).buffered
+        monkeypatch.setattr(SourceStack, "buffer_max_bytes", 3 * 4 * 8 * 4 - 1)  # one byte short of [3, 4, 8] fp32
+        assert not SourceStack(first, 3, 1e-6).buffered
+
+
+def test_every_buffered_mixing_path_equals_the_listed_layout(monkeypatch):
+    """One token, a few tokens (multiply-sum) and many tokens (sequential multiply-add), with and without absent sources."""
+    router = DepthRouter(8, 4, source_bias=True)
+    with torch.no_grad():
+        router.query.normal_()
+        router.bias.normal_()
+    monkeypatch.setattr(SourceStack, "sequential_mix_tokens", 4)
+    for b, t in ((1, 1), (2, 2), (2, 5)):
+        sources = _sources(4, b=b, t=t)
+        absent = torch.rand(b, t) < 0.5
+        for mask in (None, [None, absent, None, ~absent]):
+            with torch.no_grad():
+                stack = _stack(sources, mask)
+                assert stack.buffered
+                buffered = router(stack)
+            listed = router(_stack(sources, mask))
+            for a, c in zip(buffered, listed):
+                torch.testing.assert_close(a, c.detach(), atol=1e-5, rtol=0)
+
+
+def test_a_decode_step_key_is_bitwise_the_key_of_the_same_token_in_a_long_forward():
+    """The random policy hashes key(0): a token must get the same key alone (decoding) and among many (no cache)."""
+    tokens = torch.randn(1, 300, 64) * 1000
+    with torch.no_grad():
+        long_stack, short_stack = SourceStack(tokens, 2, 1e-6), SourceStack(tokens[:, -1:], 2, 1e-6)
+    listed_stack = SourceStack(tokens, 2, 1e-6)
+    assert long_stack.buffered and short_stack.buffered and not listed_stack.buffered
+    assert torch.equal(long_stack.key(0)[:, -1:], short_stack.key(0))
+    assert torch.equal(listed_stack.key(0).detach(), long_stack.key(0))
 
 
 def test_a_dropped_source_equals_one_absent_for_every_token():
@@ -139,3 +172,30 @@ def test_a_dropped_source_equals_one_absent_for_every_token():
             dropped = router(stack)
         torch.testing.assert_close(dropped[0], absent[0], atol=1e-5, rtol=0)
         torch.testing.assert_close(stack.expand(dropped[1], 5), absent[1], atol=1e-6, rtol=0)
+
+
+def test_the_buffered_layout_sees_every_parameter_update():
+    """Without autograd the folded query * gain is reused between calls: in-place updates, load_state_dict and
+    reassigned parameters must all show."""
+    sources = _sources(3, b=1, t=1)
+    router = DepthRouter(8, 3, source_bias=True)
+
+    def routed_alike():
+        with torch.no_grad():
+            buffered = router(_stack(sources))[0]
+        torch.testing.assert_close(buffered, router(_stack(sources))[0].detach(), atol=1e-5, rtol=0)
+        return buffered
+
+    first = routed_alike()
+    with torch.no_grad():
+        router.query.normal_()  # an optimizer step is an in-place update like this one
+    moved = routed_alike()
+    assert not torch.allclose(first, moved)
+    other = DepthRouter(8, 3, source_bias=True)
+    with torch.no_grad():
+        other.key_norm_weight.uniform_(0.5, 2.0)
+        other.query.normal_()
+    router.load_state_dict(other.state_dict())
+    routed_alike()
+    router.key_norm_weight = torch.nn.Parameter(torch.full((8,), 3.0))
+    routed_alike()

@@ -203,7 +203,7 @@ class RouterAdapter(nn.Module):
         if present is False:  # no token ran the block: its delta is absent everywhere
             state.stack.drop()
         else:
-            state.stack.push(hidden - state.routed_input, present)
+            state.stack.push_delta(hidden, state.routed_input, present)
 
     def _mix(self, key: str) -> Tensor:
         """Mix every source on the stream with router `key`: the input of the next block (or the final norm)."""

@@ -19,28 +19,30 @@ class SourceStack:
     with less work. Stored sources keep their slot number (`slot_index`) so source biases stay aligned.
 
     Two layouts, the same values:
-    * `buffered` (decoding: no autograd, few tokens): every source is copied once into a preallocated fp32
-      [capacity, tokens, d] buffer, whose first K slots are contiguous, with its inverse RMS beside it: a
-      router scores all of them with one matrix-vector product and mixes them with one more (a multiply-sum
-      for several tokens), reading the buffer twice. Re-stacking a growing list (or a normalised copy of it) at every block costs more
-      memory traffic than the routing itself.
-    * listed (training, prefill): per-source tensors, never a [K, B, T, d] copy of the stream, and in-place
-      buffer writes would break autograd.
+    * `buffered` (every forward without autograd whose buffer fits `buffer_max_bytes`: decoding, prefill,
+      evaluation): each block's delta is written once, by the subtraction itself, into a preallocated fp32
+      [capacity, tokens, d] buffer whose first K slots are contiguous, with its inverse RMS beside it. A
+      router scores all sources with one matrix-vector product and mixes them with one more (one token), a
+      multiply-sum (a few tokens) or a sequential multiply-add in source order (many tokens). Re-stacking a
+      growing list (or a normalised copy of it) at every block costs more memory traffic than the routing.
+    * listed (training): per-source tensors, never a [K, B, T, d] copy of the stream; in-place buffer
+      writes would break autograd.
     """
 
-    buffer_max_tokens = 64
-    """Forwards with at most this many tokens (batch x length) and no autograd use the buffered layout.
+    buffer_max_bytes = 256 << 20
+    """Forwards without autograd use the buffered layout when its fp32 buffer is at most this big."""
 
-    Longer inputs (prefill) keep the listed layout's sequential sum, the residual stream's own order: on
-    SmolLM2, whose activations reach ~25,000, the buffered multiply-sum moved identity at init from 7e-5 to
-    1e-4 over a real prompt, the invariant's limit, for a ~4 % faster prefill."""
+    sequential_mix_tokens = 64
+    """Above this many tokens (batch x length) the buffered layout mixes sources one by one, in the residual
+    stream's own summation order: on SmolLM2, whose activations reach ~25,000, a multiply-sum over the source
+    axis moved identity at init from 7e-5 to 1e-4 over a real prompt, the invariant's limit."""
 
     def __init__(self, first: Tensor, capacity: int, eps: float) -> None:
         self.shape = first.shape
         self.dtype = first.dtype
         self.eps = eps
-        tokens = first.shape[:-1].numel()
-        self.buffered = not torch.is_grad_enabled() and tokens <= self.buffer_max_tokens
+        tokens, width = first.shape[:-1].numel(), first.shape[-1]
+        self.buffered = not torch.is_grad_enabled() and capacity * tokens * width * 4 <= self.buffer_max_bytes
         self._count = 0
         self.device = first.device
         self._slots: list[int] = []
@@ -49,10 +51,11 @@ class SourceStack:
         self._any_absent = False
         self._present: Tensor | list[Tensor | None]
         if self.buffered:
-            width = first.shape[-1]
             self._values = first.new_empty((capacity, tokens, width), dtype=torch.float32)
             self._inv_rms = first.new_empty((capacity, tokens), dtype=torch.float32)
             self._present = torch.ones((capacity, tokens), dtype=torch.bool, device=first.device)
+            self.zero = first.new_zeros((), dtype=torch.float32)
+            """A 0-d fp32 zero: the ignored `input` of the routers' addmm (beta = 0)."""
         else:
             self._values_list: list[Tensor] = []
             self._keys_list: list[Tensor] = []
@@ -94,19 +97,38 @@ class SourceStack:
 
     def push(self, source: Tensor, present: Tensor | None = None) -> None:
         """Append a source [B, T, d]; `present` is a bool [B, T] mask of the tokens that have it (None = all)."""
+        if self.buffered:
+            self._values[self._count] = source.reshape(-1, source.shape[-1])
+            self._push_buffered(present)
+        else:
+            self._push_listed(source, present)
+
+    def push_delta(self, output: Tensor, routed_input: Tensor, present: Tensor | None = None) -> None:
+        """Append a block's delta, `output - routed_input` ([B, T, d] each), computed in the stream's dtype."""
+        if self.buffered:
+            width = output.shape[-1]
+            # The subtraction writes straight into the buffer: no temporary, no copy.
+            torch.sub(output.reshape(-1, width), routed_input.reshape(-1, width), out=self._values[self._count])
+            self._push_buffered(present)
+        else:
+            self._push_listed(output - routed_input, present)
+
+    def _push_buffered(self, present: Tensor | None) -> None:
         i = self._count
+        inverse_rms(self._values[i], self.eps, out=self._inv_rms[i])
+        if present is not None:
+            self._present[i] = present.reshape(-1)
+        self._pushed(present)
+
+    def _push_listed(self, source: Tensor, present: Tensor | None) -> None:
+        self._values_list.append(source)
+        self._keys_list.append(rms_normalize(source, self.eps))
+        self._present.append(present)
+        self._pushed(present)
+
+    def _pushed(self, present: Tensor | None) -> None:
         self._slots.append(self.num_slots)
         self._slot_index = None
-        if self.buffered:
-            flat = source.reshape(-1, source.shape[-1])
-            self._values[i] = flat
-            self._inv_rms[i] = inverse_rms(flat, self.eps).squeeze(-1)
-            if present is not None:
-                self._present[i] = present.reshape(-1)
-        else:
-            self._values_list.append(source)
-            self._keys_list.append(rms_normalize(source, self.eps))
-            self._present.append(present)
         self._any_absent = self._any_absent or present is not None
         self._count += 1
 
