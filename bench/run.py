@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from .report import write_report
-from .sweep import Bench, build_eval_set, rank_blocks, sweep
+from .sweep import Bench, build_eval_set, joint_removal_order, rank_blocks, sweep
 
 ROOT = Path(__file__).resolve().parent
 CACHE = ROOT / ".cache"
@@ -34,6 +34,9 @@ class Variant:
     fixed_removal: bool = False
     """Static variants: train only the speed target's prefix of the removal order (min = max removed blocks)
     instead of every prefix up to the largest target."""
+    joint_order: bool = False
+    """Static variants: remove blocks in greedy *joint* removal order (each pick the cheapest given the earlier
+    ones) instead of by single-block impact."""
 
 
 # The routed recipe after the first runs: queries at 1/25 of the lr (AdamW moves all 576 query coordinates by
@@ -55,6 +58,9 @@ VARIANTS = {
     # whose training KL flattened early.
     "routed_static_lora_mlp_fixed": Variant("routed_static_lora_mlp_fixed", "static", {"block_size": 1},
                                             {**ROUTED, "lora": LORA_ALL}, fixed_removal=True),
+    # The same, removing the blocks greedy joint removal picks: a better starting point for the healing.
+    "routed_static_lora_mlp_joint": Variant("routed_static_lora_mlp_joint", "static", {"block_size": 1},
+                                            {**ROUTED, "lora": LORA_ALL}, fixed_removal=True, joint_order=True),
     # Per-token policies: learned gates pulled to a compute target, and the ReSkip recent-weight rule under a
     # drop-rate curriculum; same query lr and KL positions as the routed variants.
     "gate": Variant("gate", "gate", {"block_size": 1, "skip_gate": True},
@@ -137,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__)
     parser.add_argument("--variants", nargs="+",
                         default=["routed_static", "routed_static_lora", "routed_static_lora_fixed", "routed_static_lora_mlp_fixed",
-                                 "gate", "recent_weight"],
+                                 "routed_static_lora_mlp_joint", "gate", "recent_weight"],
                         choices=sorted(VARIANTS))
     parser.add_argument("--train-minutes", type=float, default=15.0, help="distillation budget per variant (wall clock)")
     parser.add_argument("--batch-size", type=int, default=4)
@@ -196,12 +202,14 @@ def main(argv: list[str] | None = None) -> int:
     num_layers = model.config.get_text_config().num_hidden_layers
     max_removed_blocks = min(len(removal_order), math.ceil(max(args.targets) * num_layers - 1e-9))
     speed_removed_blocks = min(len(removal_order), math.ceil(args.speed_target * num_layers - 1e-9))
+    joint_order = joint_removal_order(model, data.calibration, removal_order, max_removed_blocks, runs, log)
     variants = [VARIANTS[name] for name in args.variants]
     training = {}
     for variant in variants:
         log(f"training {variant.name} for {args.train_minutes} min")
         training[variant.name] = train_variant(
-            variant, args.backbone, shards, args.train_minutes, args.batch_size, removal_order=removal_order,
+            variant, args.backbone, shards, args.train_minutes, args.batch_size,
+            removal_order=joint_order if variant.joint_order else removal_order,
             max_removed_blocks=max_removed_blocks, speed_removed_blocks=speed_removed_blocks, runs=runs, device=args.device,
             dtype=None if args.dtype == "float32" else args.dtype)
         log(f"trained {variant.name}: {training[variant.name]}")
@@ -210,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     base = bench.measure_base()
     log(f"base: {base}")
     eval_settings = ("caption_samples", "new_tokens", "text_chunks", "chunk_tokens", "calibration_batches", "device", "dtype")
-    records, overhead = sweep(bench, args.targets, variants, args.speed_target, removal_order, load_model, runs, log,
+    records, overhead = sweep(bench, args.targets, variants, args.speed_target, removal_order, joint_order, load_model, runs, log,
                               baseline_key={k: getattr(args, k) for k in eval_settings},
                               reuse_baselines=args.reuse_baselines)
     import platform

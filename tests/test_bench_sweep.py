@@ -33,21 +33,22 @@ def _bench() -> Bench:
     return bench
 
 
-def _run(bench: Bench, cache: Path, key: dict, reuse: bool) -> list[dict]:
-    return measure_baselines(bench, [0.25], 0.25, [2, 3, 1, 4], lambda message: None, cache=cache, key=key,
-                             reuse=reuse)
+def _run(bench: Bench, cache: Path, key: dict, reuse: bool, joint=(3, 4, 2)) -> list[dict]:
+    return measure_baselines(bench, [0.25], 0.25, [2, 3, 1, 4], list(joint), lambda message: None, cache=cache,
+                             key=key, reuse=reuse)
 
 
 def test_baselines_are_reused_only_under_the_same_key_and_their_speed_is_measured_again(tmp_path):
     bench = _bench()
     cache = tmp_path / "baselines.json"
     first = _run(bench, cache, {"caption_samples": 2}, reuse=False)
-    assert {r["method"] for r in first} == {"static-block-influence", "static-greedy-impact", "random",
-                                            "oracle-update (runs every layer)"}
+    assert {r["method"] for r in first} == {"static-block-influence", "static-greedy-impact", "static-greedy-joint",
+                                            "random", "oracle-update (runs every layer)"}
     assert json.loads(cache.read_text())["records"] == json.loads(json.dumps(first))
     greedy = next(r for r in first if r["method"] == "static-greedy-impact")
     assert greedy["settings"] == {"blocks": [2, 3]}  # the order's prefix removing >= 25 % of 6 layers
     assert greedy["speed_measured_as"] == "layers deleted, no routers attached" and greedy["decode_speedup_b1"] > 0
+    assert next(r for r in first if r["method"] == "static-greedy-joint")["settings"] == {"blocks": [3, 4]}
 
     # Poison the stored quality: a reused record must come from the file, not from a fresh measurement.
     stored = json.loads(cache.read_text())
@@ -60,6 +61,11 @@ def test_baselines_are_reused_only_under_the_same_key_and_their_speed_is_measure
         measured = record["method"] != "oracle-update (runs every layer)"
         assert (record["decode_speedup_b1"] is not None) == measured
         assert record["decode_speedup_b1"] is None or record["decode_speedup_b1"] > 0
+
+    # Another joint order: only the static records whose blocks it changes are measured anew.
+    rejoined = _run(bench, cache, {"caption_samples": 2}, reuse=True, joint=(2, 4, 3))
+    assert [r["method"] for r in rejoined if not r.get("quality_from_earlier_run")] == ["static-greedy-joint"]
+    assert next(r for r in rejoined if r["method"] == "static-greedy-joint")["agreement"] != -1.0
 
     other = _run(bench, cache, {"caption_samples": 3}, reuse=True)  # other settings: everything measured anew
     assert not any(r.get("quality_from_earlier_run") for r in other)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from vlm_retrofit import RouterAdapter, calibrate
-from vlm_retrofit.skipping import removal_impact
+from vlm_retrofit.skipping import greedy_removal_order, removal_impact
 from vlm_retrofit.training import FixedBatchDataModule, RetrofitModule
 
 LAYERS = {"num_hidden_layers": 6}
@@ -90,6 +90,41 @@ def test_removal_impact_ranks_blocks_and_static_calibration_follows_the_trained_
     result = calibrate(adapter, batches, 2 / 6, "static", store=False)
     assert result.settings == {"blocks": [3, 4]}
     assert calibrate(adapter, batches, 1 / 6, "static", store=False, order=[2, 1]).settings == {"blocks": [2]}
+
+
+def _joint_kl(adapter, batches, blocks):
+    """Mean KL(full || blocks removed) per real token, computed here independently of the library."""
+    total = count = 0.0
+    with torch.no_grad():
+        for batch in batches:
+            full = torch.log_softmax(adapter.model(**batch).logits.float(), -1)
+            with adapter.skipping("static", blocks=list(blocks)):
+                removed = torch.log_softmax(adapter.model(**batch).logits.float(), -1)
+            kl = (full.exp() * (full - removed)).sum(-1)
+            real = batch["attention_mask"].bool()
+            total, count = total + float(kl[real].sum()), count + int(real.sum())
+    return total / count
+
+
+def test_greedy_removal_order_picks_the_cheapest_block_given_those_already_removed():
+    module = RetrofitModule(backbone="tiny:llama", backbone_kwargs=LAYERS)
+    adapter = module.adapter
+    batches = [module.model_inputs(b)[0] for b in _batches(2)]
+    impact = removal_impact(adapter, batches)
+    order, costs = greedy_removal_order(adapter, batches, 3)
+    assert len(order) == len(set(order)) == 3 and set(order) <= set(adapter.layout.skippable_blocks)
+    assert order[0] == min(impact, key=impact.__getitem__)
+    for step in range(1, 3):  # each pick is the best completion of the previous picks, by brute force
+        joint = {b: _joint_kl(adapter, batches, order[:step] + [b]) for b in adapter.layout.skippable_blocks
+                 if b not in order[:step]}
+        assert order[step] == min(joint, key=joint.__getitem__)
+        assert costs[step] == pytest.approx(joint[order[step]], rel=1e-4)
+    narrowed, _ = greedy_removal_order(adapter, batches, 2, candidates=[4, 2, 3])
+    assert set(narrowed) <= {2, 3, 4}
+    with pytest.raises(ValueError, match="not skippable"):
+        greedy_removal_order(adapter, batches, 1, candidates=[0, 2])  # block 0 never skips
+    with pytest.raises(ValueError, match="num_blocks"):
+        greedy_removal_order(adapter, batches, 3, candidates=[2, 3])
 
 
 def test_impact_order_is_found_trained_saved_and_restored(tmp_path):

@@ -1,7 +1,14 @@
 """ReSkip: skip decoder blocks per token from the routing signal, with a kv-only cache path and honest accounting."""
 
 from .accounting import LayerCost, SkipReport
-from .calibrate import CalibrationResult, block_influence, calibrate, removal_impact, static_prefix
+from .calibrate import (
+    CalibrationResult,
+    block_influence,
+    calibrate,
+    greedy_removal_order,
+    removal_impact,
+    static_prefix,
+)
 from .policies import (
     POLICIES,
     GatePolicy,
@@ -21,6 +28,7 @@ __all__ = [
     "calibrate",
     "POLICIES",
     "GatePolicy",
+    "greedy_removal_order",
     "LayerCost",
     "PatternPolicy",
     "RandomPolicy",

@@ -103,24 +103,57 @@ def removal_impact(adapter: RouterAdapter, batches: Iterable[Mapping[str, Any]])
     The model runs with the adapter as it is (at init: plain layer dropping). Small models are dense and
     a few blocks are catastrophic to remove (DESIGN §5): rank blocks from data, not from a fixed list.
     """
+    batches, reference = _reference(adapter, batches)
+    return {block: _removal_kl(adapter, batches, reference, [block]) for block in adapter.layout.skippable_blocks}
+
+
+@torch.no_grad()
+def greedy_removal_order(adapter: RouterAdapter, batches: Iterable[Mapping[str, Any]], num_blocks: int, *,
+                         candidates: Iterable[int] | None = None) -> tuple[list[int], list[float]]:
+    """The first `num_blocks` blocks greedy *joint* removal picks, and the KL after each pick.
+
+    Each step removes the block that, together with those already removed, costs the least mean
+    KL(full || removed) per real token on `batches`. Single-block impacts ignore how removals interact:
+    on SmolLM2-135M the 6 blocks picked this way cost ~10 % less KL than the 6 cheapest ones alone.
+    The search runs about `num_blocks * len(candidates)` passes over `batches`; `candidates` (default:
+    every skippable block) can narrow it, e.g. to the cheapest blocks by `removal_impact`.
+    """
+    pool = list(adapter.layout.skippable_blocks if candidates is None else candidates)
+    unknown = sorted(set(pool) - set(adapter.layout.skippable_blocks))
+    if unknown:
+        raise ValueError(f"candidates {unknown} are not skippable blocks {list(adapter.layout.skippable_blocks)}")
+    if not 0 < num_blocks <= len(pool):
+        raise ValueError(f"num_blocks must be in [1, {len(pool)}] (the candidate blocks), got {num_blocks}")
+    batches, reference = _reference(adapter, batches)
+    order: list[int] = []
+    costs: list[float] = []
+    for _ in range(num_blocks):
+        cost, block = min((_removal_kl(adapter, batches, reference, order + [b]), b) for b in pool if b not in order)
+        order.append(block)
+        costs.append(cost)
+    return order, costs
+
+
+def _reference(adapter: RouterAdapter, batches: Iterable[Mapping[str, Any]]) -> tuple[list[dict[str, Any]], list[Tensor]]:
+    """The batches as model inputs and the full model's log-probabilities on them (the adapter as it is)."""
     batches = [model_inputs(b) for b in batches]
     if not batches:
-        raise ValueError("removal_impact needs at least one batch")
-    model = adapter.model
-    reference = [torch.log_softmax(model(**b).logits.float(), -1) for b in batches]
-    impact: dict[int, float] = {}
-    for block in adapter.layout.skippable_blocks:
-        total = count = 0.0
-        with adapter.skipping(StaticPolicy([block])):
-            for batch, full in zip(batches, reference):
-                removed = torch.log_softmax(model(**batch).logits.float(), -1)
-                kl = (full.exp() * (full - removed)).sum(-1)
-                real = batch.get("attention_mask")
-                real = real.bool() if real is not None and real.shape == kl.shape else torch.ones_like(kl, dtype=torch.bool)
-                total += float(kl[real].sum())
-                count += int(real.sum())
-        impact[block] = total / max(count, 1)
-    return impact
+        raise ValueError("removal impact needs at least one batch")
+    return batches, [torch.log_softmax(adapter.model(**b).logits.float(), -1) for b in batches]
+
+
+def _removal_kl(adapter: RouterAdapter, batches: list[dict[str, Any]], reference: list[Tensor], blocks: list[int]) -> float:
+    """Mean KL(full || `blocks` removed) per real token."""
+    total = count = 0.0
+    with adapter.skipping(StaticPolicy(blocks)):
+        for batch, full in zip(batches, reference):
+            removed = torch.log_softmax(adapter.model(**batch).logits.float(), -1)
+            kl = (full.exp() * (full - removed)).sum(-1)
+            real = batch.get("attention_mask")
+            real = real.bool() if real is not None and real.shape == kl.shape else torch.ones_like(kl, dtype=torch.bool)
+            total += float(kl[real].sum())
+            count += int(real.sum())
+    return total / max(count, 1)
 
 
 def static_prefix(order: list[int], layout, target_saving: float) -> list[int]:
