@@ -217,7 +217,14 @@ def test_a_cache_filled_under_static_removal_is_refused_elsewhere_and_continues_
                 model(**step)
         with adapter.skipping(StaticPolicy(blocks=[2, 3])) as report:  # a superset: layer 2 stays removed
             model(**step)
-    assert report.decode.forwards == 1 and report.prefill.forwards == 0
+        assert report.decode.forwards == 1 and report.prefill.forwards == 0
+        adapter.detach()  # the plain model: nothing checks the cache before the layers run ...
+        with pytest.raises(RuntimeError, match=r"layer 2 of this KV cache holds no K/V.*new cache"):
+            model(**step)  # ... but the emptied layer refuses to be written
+        assert not cache.layers[2].is_initialized
+        fresh = DynamicCache(config=model.config)
+        model(**{**step, "input_ids": inputs["input_ids"], "attention_mask": inputs["attention_mask"], "cache": fresh})
+        assert fresh.layers[2].is_initialized  # other caches are untouched
 
 
 def test_accounting_reads_the_context_length_when_the_decoder_is_called_directly():

@@ -287,12 +287,31 @@ class SkipController:
 
 
 def _mark_cacheless(cache: Any, layer_idx: int) -> None:
-    """Note on the cache that `layer_idx` wrote nothing, so that a forward running that layer later is refused."""
+    """Note on the cache that `layer_idx` wrote nothing, so that a forward running that layer later is refused.
+
+    An attached adapter refuses such a forward before any layer runs (`RouterAdapter._check_cache`). With the
+    routers detached nothing checks, so the empty cache layer itself refuses to be written: attending over a
+    cache that holds only the newest token would be silently wrong.
+    """
     if cache is None:
         return
     marked = getattr(cache, CACHELESS_LAYERS, frozenset())
-    if layer_idx not in marked:
-        setattr(cache, CACHELESS_LAYERS, marked | {layer_idx})
+    if layer_idx in marked:
+        return
+    setattr(cache, CACHELESS_LAYERS, marked | {layer_idx})
+    layers = getattr(cache, "layers", None)
+    if isinstance(layers, list) and layer_idx < len(layers):
+        layers[layer_idx].update = _refuse_update(layer_idx)  # an instance attribute: this cache only
+
+
+def _refuse_update(layer_idx: int) -> Callable[..., Any]:
+    def update(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(
+            f"layer {layer_idx} of this KV cache holds no K/V: the cache was filled under static removal of that "
+            "layer. Continue it only under the same static skipping with the routers attached, or start a new cache"
+        )
+
+    return update
 
 
 def _resolve_budget(budget: int | float | None, skippable: int) -> int | None:
