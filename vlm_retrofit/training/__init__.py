@@ -1,9 +1,9 @@
 """Distillation training of the depth routers: RetrofitModule (Lightning), losses, optimizer, checkpoints."""
 
-from .checkpoint import RetrofitCheckpoint
+from .checkpoint import CHECKPOINT_KEY, RetrofitCheckpoint, inspect_checkpoint
 from .data import FixedBatchDataModule
 from .losses import compute_penalty, distillation_kl, drop_rate_at, routing_entropy
-from .module import CHECKPOINT_KEY, RetrofitModule, inspect_checkpoint
+from .module import RetrofitModule
 
 __all__ = [
     "CHECKPOINT_KEY",

@@ -1,9 +1,84 @@
-"""RetrofitCheckpoint: Lightning's ModelCheckpoint that never loses the final steps of a run."""
+"""Checkpoints of a retrofit run: their vlm_retrofit section, its checks on resume, and a ModelCheckpoint that
+never loses the final steps."""
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities import rank_zero_warn
+
+from ..routing import AdapterMismatchError, check_fingerprint
+
+if TYPE_CHECKING:
+    from .module import RetrofitModule
+
+#: Key of the vlm_retrofit section in a Lightning checkpoint dict.
+CHECKPOINT_KEY = "vlm_retrofit"
+CHECKPOINT_FORMAT = 1
+
+
+def checkpoint_metadata(module: "RetrofitModule") -> dict[str, Any]:
+    """What a checkpoint of `module` records besides its trainable tensors."""
+    return {
+        "format_version": CHECKPOINT_FORMAT,
+        "backbone": module.hparams.backbone,
+        "base_fingerprint": dict(module.adapter.fingerprint),
+        "router_config": module.adapter.config.to_dict(),
+        "layout": module.adapter.layout.to_dict(),
+        "lora": module.hparams.lora,
+        "removal_order": module.adapter.removal_order,
+        "trainable_keys": sorted(module.trainable_keys()),
+        "nonfinite_steps": module.nonfinite_steps,
+        "nonfinite_streak": module.nonfinite_streak,
+    }
+
+
+def check_checkpoint(module: "RetrofitModule", checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """Refuse a checkpoint made for another base model or another set of trainable parameters, naming the
+    differences; warn when only the router config differs. Returns its vlm_retrofit section."""
+    meta = checkpoint.get(CHECKPOINT_KEY)
+    if meta is None:
+        raise AdapterMismatchError("this checkpoint was not written by vlm_retrofit's RetrofitModule (it has no "
+                                   f"'{CHECKPOINT_KEY}' section); refusing to load it")
+    adapter = module.adapter
+    check_fingerprint(meta["base_fingerprint"], adapter.fingerprint, source=f"checkpoint for backbone {meta.get('backbone')!r}")
+    state = checkpoint.get("state_dict", {})
+    trainable = module.trainable_keys()
+    expected = {k: v for k, v in module.state_dict().items() if k in trainable}
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    shapes = sorted(k for k in set(expected) & set(state) if tuple(expected[k].shape) != tuple(state[k].shape))
+    if missing or unexpected or shapes:
+        saved_cfg, cfg = meta.get("router_config"), adapter.config.to_dict()
+        differs = {k: (saved_cfg.get(k), cfg.get(k)) for k in cfg if saved_cfg and saved_cfg.get(k) != cfg.get(k)}
+        raise AdapterMismatchError(
+            "checkpoint does not match this module's trainable parameters: "
+            f"missing {missing[:8]}{' ...' if len(missing) > 8 else ''} ({len(missing)}), "
+            f"unexpected {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''} ({len(unexpected)}), "
+            f"wrong shape {shapes[:8]}. Router config differences (saved, now): {differs or 'none'}; "
+            f"LoRA saved {meta.get('lora')!r}, now {module.hparams.lora!r}."
+        )
+    if meta.get("router_config") != adapter.config.to_dict():
+        rank_zero_warn(f"resuming with a different router config than the checkpoint's: saved "
+                       f"{meta.get('router_config')}, now {adapter.config.to_dict()}")
+    return meta
+
+
+def inspect_checkpoint(path: str | Path) -> dict[str, Any]:
+    """The vlm_retrofit section of a checkpoint plus its trainable tensor names, sizes and the file size."""
+    path = Path(path)
+    checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    meta = dict(checkpoint.get(CHECKPOINT_KEY) or {})
+    state = checkpoint.get("state_dict", {})
+    meta["tensors"] = {k: tuple(v.shape) for k, v in state.items()}
+    meta["parameters"] = int(sum(v.numel() for v in state.values()))
+    meta["global_step"] = checkpoint.get("global_step")
+    meta["file_bytes"] = path.stat().st_size
+    return meta
 
 
 class RetrofitCheckpoint(ModelCheckpoint):

@@ -17,18 +17,14 @@ from torch import Tensor
 
 from ..batch import META_KEYS
 from ..skipping import SkipSimulation
-from ..routing import AdapterMismatchError, RouterConfig, attach_routers, check_fingerprint
+from ..routing import RouterConfig, attach_routers
 from ..backbones import unwrap_model
 from ..backbones.loading import load_backbone
+from .checkpoint import CHECKPOINT_KEY, check_checkpoint, checkpoint_metadata
 from .losses import PENALTIES, compute_penalty, distillation_kl, drop_rate_at, routing_entropies
 from .optim import SCHEDULES, base_lr, build_optimizer, lr_lambda
 
 log = logging.getLogger("vlm_retrofit.training")
-
-#: Key of the vlm_retrofit section in a Lightning checkpoint dict.
-CHECKPOINT_KEY = "vlm_retrofit"
-CHECKPOINT_FORMAT = 1
-
 
 def _router_config(router: RouterConfig | Mapping[str, Any] | None) -> RouterConfig:
     if router is None:
@@ -482,18 +478,8 @@ class RetrofitModule(pl.LightningModule):
 
     # ------------------------------------------------------------------ checkpoints
     def checkpoint_metadata(self) -> dict[str, Any]:
-        return {
-            "format_version": CHECKPOINT_FORMAT,
-            "backbone": self.hparams.backbone,
-            "base_fingerprint": dict(self.adapter.fingerprint),
-            "router_config": self.adapter.config.to_dict(),
-            "layout": self.adapter.layout.to_dict(),
-            "lora": self.hparams.lora,
-            "removal_order": self.adapter.removal_order,
-            "trainable_keys": sorted(self.trainable_keys()),
-            "nonfinite_steps": self.nonfinite_steps,
-            "nonfinite_streak": self.nonfinite_streak,
-        }
+        """The vlm_retrofit section of a checkpoint: what it was trained on, to refuse a mismatched resume."""
+        return checkpoint_metadata(self)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         keys = self.trainable_keys()
@@ -501,46 +487,8 @@ class RetrofitModule(pl.LightningModule):
         checkpoint[CHECKPOINT_KEY] = self.checkpoint_metadata()
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        meta = checkpoint.get(CHECKPOINT_KEY)
-        if meta is None:
-            raise AdapterMismatchError("this checkpoint was not written by vlm_retrofit's RetrofitModule (it has no "
-                                       f"'{CHECKPOINT_KEY}' section); refusing to load it")
-        check_fingerprint(meta["base_fingerprint"], self.adapter.fingerprint,
-                          source=f"checkpoint for backbone {meta.get('backbone')!r}")
-        state = checkpoint.get("state_dict", {})
-        expected = {k: v for k, v in self.state_dict().items() if k in self.trainable_keys()}
-        missing = sorted(set(expected) - set(state))
-        unexpected = sorted(set(state) - set(expected))
-        shapes = sorted(k for k in set(expected) & set(state) if tuple(expected[k].shape) != tuple(state[k].shape))
-        if missing or unexpected or shapes:
-            saved_cfg, cfg = meta.get("router_config"), self.adapter.config.to_dict()
-            differs = {k: (saved_cfg.get(k), cfg.get(k)) for k in cfg if saved_cfg and saved_cfg.get(k) != cfg.get(k)}
-            raise AdapterMismatchError(
-                "checkpoint does not match this module's trainable parameters: "
-                f"missing {missing[:8]}{' ...' if len(missing) > 8 else ''} ({len(missing)}), "
-                f"unexpected {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''} ({len(unexpected)}), "
-                f"wrong shape {shapes[:8]}. Router config differences (saved, now): {differs or 'none'}; "
-                f"LoRA saved {meta.get('lora')!r}, now {self.hparams.lora!r}."
-            )
-        if meta.get("router_config") != self.adapter.config.to_dict():
-            rank_zero_warn(f"resuming with a different router config than the checkpoint's: saved "
-                           f"{meta.get('router_config')}, now {self.adapter.config.to_dict()}")
+        meta = check_checkpoint(self, checkpoint)  # refuses a mismatched checkpoint before anything is loaded
         if meta.get("removal_order") is not None:
             self._set_removal_order(meta["removal_order"])  # a resumed run keeps the schedule it started with
         self.nonfinite_steps = int(meta.get("nonfinite_steps", 0))
         self.nonfinite_streak = int(meta.get("nonfinite_streak", 0))
-
-
-def inspect_checkpoint(path: str | Path) -> dict[str, Any]:
-    """The vlm_retrofit section of a checkpoint plus its trainable tensor names, sizes and the file size."""
-    path = Path(path)
-    checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-    meta = dict(checkpoint.get(CHECKPOINT_KEY) or {})
-    state = checkpoint.get("state_dict", {})
-    meta["tensors"] = {k: tuple(v.shape) for k, v in state.items()}
-    meta["parameters"] = int(sum(v.numel() for v in state.values()))
-    meta["global_step"] = checkpoint.get("global_step")
-    meta["file_bytes"] = path.stat().st_size
-    return meta
-
-
