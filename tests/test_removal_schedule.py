@@ -127,6 +127,22 @@ def test_greedy_removal_order_picks_the_cheapest_block_given_those_already_remov
         greedy_removal_order(adapter, batches, 3, candidates=[2, 3])
 
 
+
+def test_joint_removal_order_starts_with_the_greedy_joint_picks_then_follows_impact():
+    module = RetrofitModule(backbone="tiny:llama", backbone_kwargs=LAYERS, removal_order="joint", max_removed_blocks=2)
+    batch = _batches(1)[0]
+    with torch.no_grad():
+        module.compute_loss(batch, drop_rate=0.0, seed=0)  # the first batch seen decides the order
+    order = list(module.adapter.removal_order)
+    inputs = [module.model_inputs(batch)[0]]
+    picks, _ = greedy_removal_order(module.adapter, inputs, 2)
+    impact = removal_impact(module.adapter, inputs)
+    assert order[:2] == picks
+    assert order[2:] == [b for b in sorted(impact, key=impact.__getitem__) if b not in picks]
+    assert sorted(order) == list(module.adapter.layout.skippable_blocks)
+    with pytest.raises(ValueError, match="max_removed_blocks >= 1"):
+        RetrofitModule(backbone="tiny:llama", backbone_kwargs=LAYERS, removal_order="joint")
+
 def test_impact_order_is_found_trained_saved_and_restored(tmp_path):
     module = RetrofitModule(backbone="tiny:llama", backbone_kwargs=LAYERS, removal_order="impact",
                             max_removed_blocks=2, max_drop_rate=0.0, lr=3e-2, warmup_steps=0, scheduler="constant")

@@ -81,7 +81,7 @@ class RetrofitModule(pl.LightningModule):
         drop_warmup_steps: int = 20,
         use_gates: bool = True,
         skip_budget: float | None = None,
-        removal_order: list[int] | Literal["impact"] | None = None,
+        removal_order: list[int] | Literal["impact", "joint"] | None = None,
         max_removed_blocks: int = 0,
         min_removed_blocks: int = 0,
         compute_target: float | None = None,
@@ -130,7 +130,9 @@ class RetrofitModule(pl.LightningModule):
                 skippable blocks); null = no cap.
             removal_order: skippable blocks in the order a static policy will remove them (cheapest first), for
                 the removal schedule; `impact` ranks them by single-block removal KL on the first training
-                batch. Saved with the adapter: `calibrate(..., "static")` then removes a prefix of it.
+                batch; `joint` takes the first `max_removed_blocks` by greedy joint removal on that batch (each
+                pick the cheapest given the earlier ones: ~max_removed_blocks x blocks forwards, once), then the
+                rest by impact. Saved with the adapter: `calibrate(..., "static")` then removes a prefix of it.
             max_removed_blocks: removal schedule: each step, every token skips the first k blocks of
                 `removal_order`, k drawn uniformly from 0..max_removed_blocks (validation uses the maximum),
                 so the routers learn to re-weight around blocks that a static policy removes for good.
@@ -182,8 +184,10 @@ class RetrofitModule(pl.LightningModule):
                              f"got {min_removed_blocks}")
         if max_removed_blocks and removal_order is None:
             raise ValueError("max_removed_blocks needs a removal_order (a list of blocks, or 'impact')")
-        if isinstance(removal_order, str) and removal_order != "impact":
-            raise ValueError(f"removal_order must be a list of block indices or 'impact', got {removal_order!r}")
+        if isinstance(removal_order, str) and removal_order not in ("impact", "joint"):
+            raise ValueError(f"removal_order must be a list of block indices, 'impact' or 'joint', got {removal_order!r}")
+        if removal_order == "joint" and not max_removed_blocks:
+            raise ValueError("removal_order: joint picks max_removed_blocks blocks; set max_removed_blocks >= 1")
         if max_nonfinite_steps < 1:
             raise ValueError(f"max_nonfinite_steps must be >= 1, got {max_nonfinite_steps}")
         self.save_hyperparameters(ignore=["router"])
@@ -288,17 +292,22 @@ class RetrofitModule(pl.LightningModule):
         self.adapter.removal_order = order
 
     def _ensure_removal_order(self, batch: Mapping[str, Any]) -> None:
-        """`removal_order: impact`: rank the skippable blocks on the first batch seen (rank 0's, broadcast)."""
-        if self.adapter.removal_order is not None or self.hparams.removal_order != "impact":
+        """`removal_order: impact | joint`: rank the skippable blocks on the first batch seen (rank 0's, broadcast)."""
+        mode = self.hparams.removal_order
+        if self.adapter.removal_order is not None or mode not in ("impact", "joint"):
             return
-        from ..skipping import removal_impact
+        from ..skipping import greedy_removal_order, removal_impact
 
-        impact = removal_impact(self.adapter, [self.model_inputs(batch)[0]])
+        batches = [self.model_inputs(batch)[0]]
+        impact = removal_impact(self.adapter, batches)
         order = sorted(impact, key=impact.__getitem__)
+        if mode == "joint":
+            picks, _ = greedy_removal_order(self.adapter, batches, int(self.hparams.max_removed_blocks))
+            order = picks + [b for b in order if b not in picks]
         if self._trainer is not None:
             order = self.trainer.strategy.broadcast(order, src=0)  # every rank trains the same schedule
         self._set_removal_order(order)
-        log.info("removal order by single-block impact (KL per token): %s",
+        log.info("removal order (%s; single-block impact, KL per token): %s", mode,
                  ", ".join(f"{b}:{impact[b]:.3g}" for b in order))
 
     def removed_blocks(self, seed: int, *, largest: bool = False) -> list[int]:
