@@ -17,5 +17,5 @@ fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || true
 mkdir -p bench/gpu
 exec "$PY" -m bench.run --device cuda --dtype bfloat16 --train-minutes 1.5 \
-  --variants routed_static_lora routed_static_lora_mlp_fixed gate recent_weight \
+  --variants routed_static_lora routed_static_lora_mlp_joint gate recent_weight \
   --caption-samples 35 --text-chunks 12 --runs bench/.cache/runs-gpu --out bench/gpu "$@"
