@@ -269,7 +269,7 @@ class SkipController:
         if skip is None:
             self.report.record_layer("full", full, full, is_prefill)
             return original(*args, **kwargs)
-        if self.kv_only_when_all_skip and self._skips_whole_layer(block, skip):
+        if self.kv_only_when_all_skip and block in self._none_ran:  # every token skips: kv-only, nothing else
             kv_only(layer, parts, hidden, kwargs)
             kind = "kv_only" if cache is not None else "skipped"
             executed = self.cost.kv_only(batch, new_tokens) if cache is not None else 0
@@ -277,10 +277,6 @@ class SkipController:
             return hidden
         self.report.record_layer("mixed", full, full, is_prefill)
         return _map_output(original(*args, **kwargs), lambda out: self._combine(block, hidden, out, skip))
-
-    def _skips_whole_layer(self, block: int, skip: Tensor) -> bool:
-        """Every token skips and nothing needs the layer's output: take the kv-only path, run nothing else."""
-        return block in self._none_ran
 
     def _combine(self, block: int, hidden: Tensor, out: Tensor, skip: Tensor) -> Tensor:
         return torch.where(skip[..., None], hidden, out)
