@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from .release import Loaded, load_trained
+from .release import Loaded, load_trained, summarize_pruning
 from .skipping import POLICIES, SkipController, calibrate
 
 
@@ -50,6 +50,10 @@ def calibrate_main(argv: list[str] | None = None) -> int:
 
     source = Path(ns.model)
     loaded = load_trained(source, ns.base)
+    if loaded.adapter is None:
+        print(f"calibrate: {source} is a pruned release: its layers are deleted and it has no routers to calibrate; "
+              "calibrate the adapter or checkpoint it was merged from")
+        return 1
     data = WebDatasetDataModule(processor=_processor_name(loaded, source), train_shards=ns.shards,
                                 val_shards=ns.shards, batch_size=ns.batch_size, num_workers=0,
                                 add_quality_callback=False)
@@ -126,6 +130,16 @@ def generate_main(argv: list[str] | None = None) -> int:
     if ns.threshold is not None:
         settings = {"thresholds" if ns.skip_policy == "recent_weight" else "threshold": ns.threshold}
     tokenizer = getattr(loaded.processor, "tokenizer", loaded.processor)
+    if loaded.adapter is None:  # a pruned release: a plain model, its removed layers already gone
+        if ns.skip_policy:
+            print(f"generate: {ns.model} is a pruned release with no routers: drop --skip-policy (its removed "
+                  "layers are deleted from the weights, every token saves them)")
+            return 1
+        with torch.no_grad():
+            output = loaded.model.generate(**inputs, max_new_tokens=ns.max_new_tokens, do_sample=False)
+        print(tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))
+        print(f"[pruned release] {summarize_pruning(Path(ns.model))}")
+        return 0
     try:
         controller = (loaded.adapter.skipping(ns.skip_policy, target_saving=ns.target_saving, budget=ns.budget, **settings)
                       if ns.skip_policy else SkipController(loaded.adapter, None))

@@ -36,7 +36,8 @@ class Loaded:
 
     model: nn.Module
     processor: Any
-    adapter: RouterAdapter
+    adapter: RouterAdapter | None
+    """None for a pruned release: its removed layers are gone from the weights and its routers were dropped."""
     base_model: dict[str, Any]
     lora: dict[str, Any] | None
     kind: str
@@ -110,6 +111,10 @@ def _load_release(directory: Path) -> Loaded:
     if config.get("format") != RELEASE_FORMAT:
         raise ValueError(f"{directory / RELEASE_CONFIG} is not a vlm_retrofit release")
     base_model = config["base_model"]
+    if config.get("pruned"):  # a plain, shallower model of the base's class: no routers, nothing merged on top
+        model, processor = load_backbone(str(directory / "model"), **_load_kwargs({**base_model, "kwargs": None}),
+                                         processor_from=str(directory / "processor"))
+        return Loaded(model.eval(), processor, None, base_model, config.get("lora"), "release")
     if config.get("full_weights"):
         model, processor = load_backbone(str(directory / "model"), **_load_kwargs({**base_model, "kwargs": None}),
                                          processor_from=str(directory / "processor"))
@@ -135,9 +140,17 @@ def _load_release(directory: Path) -> Loaded:
 
 def load_release(directory: str | os.PathLike) -> tuple[nn.Module, Any]:
     """`(model, processor)` of a release folder; `vlm_retrofit.get_adapter(model)` gives its routers, e.g.
-    `with get_adapter(model).skipping("recent_weight", target_saving=0.3): model.generate(...)`."""
+    `with get_adapter(model).skipping("recent_weight", target_saving=0.3): model.generate(...)`. A pruned
+    release is a plain model with fewer layers (no routers; `transformers` alone can load its `model/`)."""
     loaded = _load_release(Path(directory))
     return loaded.model, loaded.processor
+
+
+def summarize_pruning(directory: str | os.PathLike) -> str:
+    """One line on what a pruned release removed (read from its release config)."""
+    pruned = json.loads((Path(directory) / RELEASE_CONFIG).read_text())["pruned"]
+    return (f"decoder layers {pruned['removed_layers']} of {pruned['num_layers_before']} deleted at merge: "
+            f"{100 * pruned['layer_compute_removed']:.1f} % of decoder-layer compute saved on every token")
 
 
 def load_trained(path: str | os.PathLike, base: str | None = None) -> Loaded:
@@ -176,7 +189,7 @@ def _sample_inputs(processor: Any) -> dict[str, Any]:
 
 
 @torch.no_grad()
-def _logits(model: nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
+def real_logits(model: nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
     """Logits at the real (non-padding) positions: padding rows differ between attention kernels."""
     logits = model(**inputs).logits.float()
     mask = inputs.get("attention_mask")
@@ -267,28 +280,48 @@ def _write_release(loaded: Loaded, directory: Path, merge_lora: bool, full_weigh
 
 
 def merge(source: str | os.PathLike, output: str | os.PathLike, *, base: str | None = None, merge_lora: bool = False,
-          full_weights: bool = False, verify: bool = True) -> Path:
+          full_weights: bool = False, verify: bool = True, prune_blocks: list[int] | None = None,
+          prune_target: float | None = None) -> Path:
     """Write a release folder for a checkpoint or adapter folder; see `python -m vlm_retrofit merge --help`.
 
     Atomic: everything is written to a hidden temporary folder beside `output` and renamed into place at
     the end; on any error nothing is left behind. With `verify`, the written release is loaded back and
     must reproduce the source model's logits (fp32 tolerance 1e-4) before it is moved into place.
+    `prune_blocks` / `prune_target` write a pruned release instead (see `vlm_retrofit.pruning`): the blocks the
+    static policy removes are deleted from the weights (LoRA merged, routers dropped), and verification
+    compares with plain removal of those blocks from the unpruned model.
     """
     output = Path(output)
     loaded = load_trained(source, base)
-    inputs = _sample_inputs(loaded.processor) if verify else None
-    expected = _logits(loaded.model, inputs) if verify else None
+    if loaded.adapter is None:
+        raise ValueError(f"{source} is a pruned release: it has no routers left to merge; merge the adapter or "
+                         "checkpoint it came from")
+    pruning = prune_blocks is not None or prune_target is not None
+    inputs = _sample_inputs(loaded.processor) if verify or pruning else None
+    if pruning:
+        from .pruning import blocks_to_prune, prune_for_release, write_pruned_release
+
+        blocks = blocks_to_prune(loaded.adapter, blocks=prune_blocks, target_saving=prune_target)
+        model, expected, pruned = prune_for_release(loaded, blocks, inputs)
+    else:
+        expected = real_logits(loaded.model, inputs) if verify else None
     output.parent.mkdir(parents=True, exist_ok=True)
     staging = output.parent / f".{output.name}.merging"
     shutil.rmtree(staging, ignore_errors=True)
     try:
-        _write_release(loaded, staging, merge_lora, full_weights)
+        if pruning:
+            write_pruned_release(loaded, model, staging, pruned)
+        else:
+            _write_release(loaded, staging, merge_lora, full_weights)
         if verify:
-            loaded.adapter.detach()  # the source's hooks would otherwise stay on a model we no longer use
+            if not pruning:
+                loaded.adapter.detach()  # the source's hooks would otherwise stay on a model we no longer use
             released, _ = load_release(staging)
-            diff = (_logits(released, inputs) - expected).abs().max().item()
+            diff = (real_logits(released, inputs) - expected).abs().max().item()
             if not diff <= VERIFY_ATOL:
-                raise ReleaseVerificationError(f"the release does not reproduce {source}: logits differ by {diff:.3g}")
+                raise ReleaseVerificationError(f"the release does not reproduce {source}"
+                                               + (" with those blocks removed" if pruning else "")
+                                               + f": logits differ by {diff:.3g}")
         previous = output.parent / f".{output.name}.previous"
         shutil.rmtree(previous, ignore_errors=True)
         if output.exists():
@@ -312,10 +345,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--merge-lora", action="store_true", help="fold a LoRA into the weights it changes")
     parser.add_argument("--full-weights", action="store_true", help="include the complete weights (LoRA merged)")
     parser.add_argument("--no-verify", action="store_true", help="skip the logits check of the written release")
+    prune = parser.add_mutually_exclusive_group()
+    prune.add_argument("--prune-target", type=float, default=None,
+                       help="write a pruned release: delete the blocks the static policy removes at this target saving "
+                            "(stored static calibration, else the trained removal order) from the weights, merge the "
+                            "LoRA and drop the routers; a plain, shallower model with no runtime overhead")
+    prune.add_argument("--prune-blocks", type=lambda text: [int(b) for b in text.split(",")], default=None,
+                       help="write a pruned release deleting these router blocks (comma-separated, e.g. 13,16,17)")
     ns = parser.parse_args(argv)
     try:
         path = merge(ns.ckpt, ns.output, base=ns.base, merge_lora=ns.merge_lora, full_weights=ns.full_weights,
-                     verify=not ns.no_verify)
+                     verify=not ns.no_verify, prune_blocks=ns.prune_blocks, prune_target=ns.prune_target)
     except (AdapterMismatchError, FileNotFoundError, ValueError, ReleaseVerificationError) as error:
         print(f"merge refused: {error}")
         return 1

@@ -1,0 +1,146 @@
+"""Pruning: deleted layers equal static removal on every family, pruned releases from trained adapters, refusals."""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from vlm_retrofit import RouterConfig, attach_routers, load_release
+from vlm_retrofit.backbones.loading import load_backbone
+from vlm_retrofit.cli import main
+from vlm_retrofit.pruning import blocks_to_prune, prune_layers
+from vlm_retrofit.release import load_trained, merge
+from vlm_retrofit.testing import FAMILIES, tiny_inputs, tiny_vlm
+
+
+def _real_logits(model, inputs):
+    # Padding rows differ between attention kernels (a reloaded model may pick another): compare real tokens.
+    with torch.no_grad():
+        return model(**inputs).logits[inputs["attention_mask"].bool()]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_pruned_model_equals_static_removal_and_reloads(family, tmp_path):
+    model, processor = tiny_vlm(family, num_hidden_layers=6)
+    inputs = tiny_inputs(processor)
+    adapter = attach_routers(model, RouterConfig(block_size=1))
+    blocks = list(adapter.layout.skippable_blocks)[-2:]  # after any layer the backbone injects into by index
+    with torch.no_grad(), adapter.skipping("static", blocks=blocks):
+        expected = _real_logits(model, inputs)
+        expected_tokens = model.generate(**inputs, max_new_tokens=5, do_sample=False)
+    spec = adapter.spec
+    adapter.detach()
+
+    assert prune_layers(model, spec, blocks) == blocks
+    text_config = model.config.get_text_config()
+    assert text_config.num_hidden_layers == len(spec.get_layers(model)) == 4
+    assert all(len(v) == 4 for k, v in vars(text_config).items() if k == "layer_types" and v is not None)
+    torch.testing.assert_close(_real_logits(model, inputs), expected, atol=1e-5, rtol=0)
+    with torch.no_grad():  # the KV cache has one slot per kept layer: renumbered layers must fill exactly those
+        assert torch.equal(model.generate(**inputs, max_new_tokens=5, do_sample=False), expected_tokens)
+
+    model.save_pretrained(tmp_path)
+    processor.save_pretrained(tmp_path)
+    reloaded, _ = load_backbone(str(tmp_path))
+    assert reloaded.config.get_text_config().num_hidden_layers == 4
+    torch.testing.assert_close(_real_logits(reloaded, inputs), expected, atol=1e-4, rtol=0)
+
+
+def test_prune_layers_refuses_bad_requests():
+    model, _ = tiny_vlm("llama")
+    spec = attach_routers(model, RouterConfig()).spec
+    for layers, message in (([], "empty"), ([4], "out of range"), ([0, 1, 2, 3], "no model")):
+        with pytest.raises(ValueError, match=message):
+            prune_layers(model, spec, layers)
+    assert len(spec.get_layers(model)) == 4  # nothing was touched
+
+    model, _ = tiny_vlm("qwen3_vl", num_hidden_layers=6)
+    spec = attach_routers(model, RouterConfig()).spec
+    injected = list(spec.never_skip_layers(model.config))
+    assert injected, "tiny Qwen3-VL should inject deepstack features"
+    with pytest.raises(ValueError, match="injects features"):
+        prune_layers(model, spec, [injected[-1]])
+
+
+def test_blocks_to_prune_reads_calibration_then_removal_order():
+    model, _ = tiny_vlm("llama", num_hidden_layers=8)
+    adapter = attach_routers(model, RouterConfig(block_size=1))
+    with pytest.raises(ValueError, match="no static calibration"):
+        blocks_to_prune(adapter, target_saving=0.25)
+    with pytest.raises(ValueError, match="either blocks or target_saving"):
+        blocks_to_prune(adapter)
+    with pytest.raises(ValueError, match=r"blocks \[0\] cannot be pruned"):
+        blocks_to_prune(adapter, blocks=[0, 3])
+    adapter.removal_order = [5, 2, 3, 6]
+    assert blocks_to_prune(adapter, target_saving=0.25) == [2, 5]  # 2 of 8 layers
+    adapter.calibration["static"] = {"0.2500": {"blocks": [6, 3]}}
+    assert blocks_to_prune(adapter, target_saving=0.25) == [3, 6]  # a stored calibration wins
+    assert blocks_to_prune(adapter, blocks=[4]) == [4]
+
+
+@pytest.fixture(scope="module")
+def trained_removal(tmp_path_factory):
+    """A short `fit` with the removal schedule and LoRA on tiny Qwen2-VL: its exported adapter folder."""
+    run = tmp_path_factory.mktemp("run")
+    cwd = os.getcwd()
+    os.chdir(run)
+    try:
+        assert main(["fit", "--config", str(Path(__file__).parents[1] / "configs" / "tiny-removal.yaml"),
+                     "--model.lora", '{"r": 4, "lora_alpha": 8, "target_modules": ".*language_model.*\\\\.(q_proj|v_proj)"}',
+                     "--trainer.max_steps", "3", "--trainer.enable_progress_bar", "false",
+                     "--trainer.limit_val_batches", "0", "--data.num_workers", "0", "--trainer.callbacks", "[]"]) == 0
+    finally:
+        os.chdir(cwd)
+    return run / "runs" / "tiny-removal" / "adapter"
+
+
+def test_merge_prune_target_writes_a_plain_shallower_model(trained_removal, tmp_path, capsys):
+    source = load_trained(trained_removal)
+    assert source.lora and source.adapter.removal_order is not None
+    blocks = blocks_to_prune(source.adapter, target_saving=0.25)  # 2 of 8 layers
+    inputs = tiny_inputs(source.processor)
+    with source.adapter.skipping("static", blocks=blocks):
+        routed = _real_logits(source.model, inputs)
+    # The reference: the same weights (LoRA merged) with the blocks removed by plain layer dropping.
+    plain = source.model.merge_and_unload()
+    source.adapter.detach()
+    identity = attach_routers(plain, RouterConfig.from_dict(source.adapter.config.to_dict()))
+    with torch.no_grad(), identity.skipping("static", blocks=blocks):
+        expected = _real_logits(plain, inputs)
+        expected_tokens = plain.generate(**inputs, max_new_tokens=5, do_sample=False)
+    assert (routed - expected).abs().max() > 1e-5  # the trained routers matter: the release drops them
+
+    assert main(["merge", "--ckpt", str(trained_removal), "--output", str(tmp_path / "pruned"), "--prune-target", "0.25"]) == 0
+    assert "release written" in capsys.readouterr().out
+    config = json.loads((tmp_path / "pruned" / "release_config.json").read_text())
+    assert config["pruned"]["removed_layers"] == blocks and config["pruned"]["num_layers_before"] == 8
+    assert config["lora"] == "merged" and not (tmp_path / "pruned" / "router").exists()
+    assert 0 < config["pruned"]["routers_dropped"]["kl_routed_to_pruned"]
+    assert "routers were dropped" in (tmp_path / "pruned" / "README.md").read_text()
+
+    model, processor = load_release(tmp_path / "pruned")
+    assert len(model.model.language_model.layers) == 6
+    torch.testing.assert_close(_real_logits(model, inputs), expected, atol=1e-4, rtol=0)
+    with torch.no_grad():
+        assert torch.equal(model.generate(**inputs, max_new_tokens=5, do_sample=False), expected_tokens)
+    # transformers alone loads it: no routers, no hooks, nothing of vlm_retrofit needed.
+    alone, _ = load_backbone(str(tmp_path / "pruned" / "model"), processor_from=str(tmp_path / "pruned" / "processor"))
+    torch.testing.assert_close(_real_logits(alone, inputs), expected, atol=1e-4, rtol=0)
+
+
+def test_pruned_release_commands_and_refusals(trained_removal, tmp_path, capsys):
+    assert main(["merge", "--ckpt", str(trained_removal), "--output", str(tmp_path / "pruned"), "--prune-blocks", "3"]) == 0
+    capsys.readouterr()
+    assert main(["generate", "--model", str(tmp_path / "pruned"), "--prompt", "Hi", "--max-new-tokens", "3"]) == 0
+    assert "[pruned release] decoder layers [3] of 8 deleted" in capsys.readouterr().out
+    assert main(["generate", "--model", str(tmp_path / "pruned"), "--prompt", "Hi", "--skip-policy", "static"]) == 1
+    assert "drop --skip-policy" in capsys.readouterr().out
+    assert main(["calibrate", "--model", str(tmp_path / "pruned"), "--policy", "static"]) == 1
+    assert "pruned release" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="pruned release"):
+        merge(tmp_path / "pruned", tmp_path / "again")
+    # A block that may not be removed is refused before anything is written.
+    assert main(["merge", "--ckpt", str(trained_removal), "--output", str(tmp_path / "bad"), "--prune-blocks", "0"]) == 1
+    assert "cannot be pruned" in capsys.readouterr().out and not (tmp_path / "bad").exists()

@@ -1,0 +1,154 @@
+"""Pruning: delete statically removed decoder layers from a model, so a plain model runs without them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from .backbones.registry import BackboneSpec, unwrap_model
+from .release import RELEASE_CONFIG, RELEASE_FORMAT, Loaded, real_logits
+from .routing import RouterAdapter, RouterConfig, attach_routers
+from .skipping.calibrate import static_prefix
+
+
+def blocks_to_prune(adapter: RouterAdapter, *, blocks: Iterable[int] | None = None,
+                    target_saving: float | None = None) -> list[int]:
+    """The router blocks a pruned release removes: `blocks` as given, or those the static policy removes at
+    `target_saving` (the stored `static` calibration for that target, else the prefix of the adapter's trained
+    `removal_order`, the blocks its LoRA healing was trained without). Exactly one of the two."""
+    if (blocks is None) == (target_saving is None):
+        raise ValueError("say what to prune: either blocks or target_saving (not both)")
+    layout = adapter.layout
+    if blocks is None:
+        stored = adapter.calibration.get("static", {}).get(f"{float(target_saving):.4f}")
+        if stored is not None:
+            blocks = stored["blocks"]
+        elif adapter.removal_order is not None:
+            blocks = static_prefix(list(adapter.removal_order), layout, float(target_saving))
+        else:
+            raise ValueError(f"the adapter has no static calibration for target {target_saving} and no trained "
+                             "removal_order: name the blocks to prune, or run `python -m vlm_retrofit calibrate "
+                             "--policy static` first")
+    chosen = sorted({int(b) for b in blocks})
+    if not chosen:
+        raise ValueError("nothing to prune: the block list is empty")
+    bad = [b for b in chosen if b not in layout.skippable_blocks]
+    if bad:
+        raise ValueError(f"blocks {bad} cannot be pruned: the skippable blocks are {list(layout.skippable_blocks)}")
+    return chosen
+
+
+def prune_layers(model: nn.Module, spec: BackboneSpec, layers: Iterable[int]) -> list[int]:
+    """Delete decoder `layers` from `model` in place; returns the layers removed, ascending.
+
+    The kept layers are renumbered (their `layer_idx`, hence their KV-cache slots), and the language config's
+    `num_hidden_layers` and per-layer lists (`layer_types`, ...) shrink to match, so the model saves and
+    reloads as a plain, shallower model of its own class. Layers at or before a layer where the backbone injects
+    features by index (Qwen3-VL deepstack) are refused: removing them would shift the injection.
+    """
+    decoder = spec.get_decoder(model)
+    full = getattr(decoder, spec.layers_attr)
+    removed = sorted({int(i) for i in layers})
+    if not removed:
+        raise ValueError("nothing to prune: the layer list is empty")
+    if removed[0] < 0 or removed[-1] >= len(full):
+        raise ValueError(f"layers {removed} are out of range: the decoder has {len(full)} layers")
+    if len(removed) == len(full):
+        raise ValueError("pruning every decoder layer leaves no model")
+    config = unwrap_model(model).config
+    injected = sorted(spec.never_skip_layers(config))
+    if injected and removed[0] <= injected[-1]:
+        raise ValueError(f"cannot prune layers {removed}: the backbone injects features at layers {injected} by "
+                         f"index; only layers after {injected[-1]} can be pruned")
+    kept = [layer for i, layer in enumerate(full) if i not in set(removed)]
+    setattr(decoder, spec.layers_attr, nn.ModuleList(kept))
+    for index, layer in enumerate(kept):
+        for module in layer.modules():
+            if isinstance(getattr(module, "layer_idx", None), int):
+                module.layer_idx = index
+    _shrink_config(spec.get_text_config(model), len(full), set(removed))
+    return removed
+
+
+def _shrink_config(text_config: Any, num_layers: int, removed: set[int]) -> None:
+    # Per-layer settings are lists indexed by layer (layer_types: sliding vs full attention, ...).
+    for name, value in list(vars(text_config).items()):
+        if "layer" in name and isinstance(value, (list, tuple)) and len(value) == num_layers:
+            setattr(text_config, name, type(value)(v for i, v in enumerate(value) if i not in removed))
+    text_config.num_hidden_layers = num_layers - len(removed)
+
+
+# -- pruned releases (written by `vlm_retrofit.release.merge`) ----------------------------------------------
+def prune_for_release(loaded: Loaded, blocks: list[int], inputs: dict[str, Any]) -> tuple[nn.Module, torch.Tensor, dict[str, Any]]:
+    """Merge any LoRA, then delete `blocks`' layers from the weights and drop the routers (in place).
+
+    Returns the pruned model, the logits it must reproduce (the same weights with the blocks removed by the
+    static policy at *identity* routers, i.e. plain layer removal through the skip machinery: an independent
+    reference) and what dropping the trained routers changes on `inputs` (KL and top-1 agreement vs the routed
+    model with the same blocks removed).
+    """
+    model, adapter = loaded.model, loaded.adapter
+    if loaded.lora:
+        model = model.merge_and_unload()  # the router hooks sit on layer instances and survive this
+    with adapter.skipping("static", blocks=blocks):
+        routed = real_logits(model, inputs)
+    layers = [i for b in blocks for i in adapter.layout.layers_of_block(b)]
+    num_layers, spec, router_config = adapter.layout.num_layers, adapter.spec, adapter.config
+    adapter.detach()
+    identity = attach_routers(model, RouterConfig.from_dict(router_config.to_dict()))
+    with identity.skipping("static", blocks=blocks):
+        expected = real_logits(model, inputs)
+    identity.detach()
+    removed = prune_layers(model, spec, layers)
+    routed_log, plain_log = torch.log_softmax(routed, -1), torch.log_softmax(expected, -1)
+    summary = {
+        "removed_blocks": blocks, "removed_layers": removed, "num_layers_before": num_layers,
+        "layer_compute_removed": len(removed) / num_layers,
+        "routers_dropped": {  # on the merge's sample inputs
+            "kl_routed_to_pruned": float((routed_log.exp() * (routed_log - plain_log)).sum(-1).mean()),
+            "top1_agreement": float((routed.argmax(-1) == expected.argmax(-1)).float().mean()),
+        },
+    }
+    return model, expected, summary
+
+
+def write_pruned_release(loaded: Loaded, model: nn.Module, directory: Path, pruned: dict[str, Any]) -> None:
+    directory.mkdir(parents=True)
+    unwrap_model(model).save_pretrained(directory / "model", safe_serialization=True)
+    loaded.processor.save_pretrained(directory / "processor")
+    base_model = dict(loaded.base_model)
+    base_model["attn_implementation"] = base_model.get("attn_implementation") or unwrap_model(model).config._attn_implementation
+    config = {
+        "format": RELEASE_FORMAT,
+        "format_version": 1,
+        "base_model": base_model,
+        "base_fingerprint": loaded.adapter.fingerprint,  # of the unpruned base it was merged from
+        "full_weights": True,
+        "lora": "merged" if loaded.lora else None,
+        "pruned": pruned,
+    }
+    (directory / RELEASE_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    (directory / "README.md").write_text(_pruned_model_card(config))
+
+
+def _pruned_model_card(config: dict[str, Any]) -> str:
+    pruned, name = config["pruned"], config["base_model"]["name"]
+    dropped = pruned["routers_dropped"]
+    return "\n".join([
+        f"# {name}, pruned by vlm_retrofit",
+        "",
+        f"Decoder layers {pruned['removed_layers']} of {pruned['num_layers_before']} are deleted from the weights "
+        f"({100 * pruned['layer_compute_removed']:.1f} % of decoder-layer compute)"
+        + (", with the LoRA that healed their removal merged in." if config["lora"] else "."),
+        "The trained depth routers were dropped: this is a plain model of the base's class, loadable with",
+        "`transformers` alone from `model/` (processor in `processor/`), or with `vlm_retrofit.load_release`.",
+        "",
+        "Dropping the routers, measured on the merge's sample inputs against the routed model with the same blocks",
+        f"removed: KL {dropped['kl_routed_to_pruned']:.4g} nats per position, top-1 agreement "
+        f"{dropped['top1_agreement']:.3f}. Measure quality on your own data before shipping.",
+        "",
+    ])
