@@ -16,7 +16,7 @@ def _recipe(info: dict[str, Any]) -> str:
     """How a variant was trained, from its train_info (older runs recorded less: only what is there)."""
     parts = []
     if info.get("lr") is not None:
-        parts.append(f"lr {info['lr']:g}")
+        parts.append(f"lr {info['lr']:g}" + (f" ({info['schedule']})" if info.get("schedule") else ""))
     if info.get("query_lr_scale") is not None:
         parts.append(f"queries at {info['query_lr_scale']:g}x lr")
     if info.get("distill_positions"):

@@ -189,7 +189,11 @@ def sweep(bench: Bench, targets: list[float], variants: list, speed_target: floa
             metrics = bench.measure(lambda: adapter.skipping(variant.policy, **settings), speed=target == speed_target)
             records.append(_record(f"ours-{variant.name}", target, metrics))
             log(f"ours-{variant.name} @ {target:.2f}: {records[-1]}")
+        order, layout, spec, router_config = adapter.removal_order, adapter.layout, adapter.spec, adapter.config
         adapter.detach()
+        if variant.policy == "static" and target_model is not model:
+            records += measure_pruned(bench, f"ours-{variant.name}-pruned", order, layout, spec, router_config,
+                                      targets, speed_target, log)
         bench.model = model
         del target_model
     bench.base_method = nullmethod
@@ -197,6 +201,38 @@ def sweep(bench: Bench, targets: list[float], variants: list, speed_target: floa
     records += measure_baselines(bench, targets, speed_target, removal_order, joint_order, log, cache=runs / "baselines.json",
                                  key=baseline_key or {}, reuse=reuse_baselines)
     return records, overhead
+
+
+def measure_pruned(bench: Bench, name: str, order: list[int], layout, spec, router_config, targets: list[float],
+                   speed_target: float, log: Callable[[str], None]) -> list[dict[str, Any]]:
+    """A LoRA-healed static variant shipped as a pruned release (`merge --prune-target`): the blocks the static
+    policy removes at each target are deleted from the weights and the trained routers are dropped.
+
+    Quality is measured through routers at identity removing the same blocks (what the pruned model computes;
+    tests/test_pruning.py checks the equality), decode speed with the layers deleted and no routers attached.
+    """
+    from vlm_retrofit import attach_routers
+    from vlm_retrofit.skipping.calibrate import static_prefix
+
+    from .baselines import layers_deleted
+
+    records = []
+    identity = attach_routers(bench.model, type(router_config).from_dict(router_config.to_dict()))
+    for target in targets:
+        blocks = static_prefix(list(order), layout, target)
+        metrics = bench.measure(lambda: identity.skipping("static", blocks=blocks), speed=False)
+        records.append(_record(name, target, metrics, settings={"blocks": blocks}))
+        log(f"{name} @ {target:.2f}: {records[-1]}")
+    identity.detach()
+    bench.base_method = nullmethod  # the plain model is the base: no hooks on either side
+    for record in records:
+        if record["target"] == speed_target:
+            layers = [i for b in record["settings"]["blocks"] for i in layout.layers_of_block(b)]
+            record.update(bench.measure_speed(lambda: layers_deleted(bench.model, spec, layers)),
+                          speed_measured_as="layers deleted, no routers attached (the pruned release)")
+            log(f"{name} @ {record['target']:.2f} decode: {record['decode_speedup_b1']:.3f}x (B=1), "
+                f"{record['decode_speedup_b8']:.3f}x (B=8)")
+    return records
 
 
 def measure_baselines(bench: Bench, targets: list[float], speed_target: float, removal_order: list[int],

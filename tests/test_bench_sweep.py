@@ -12,8 +12,10 @@ if str(ROOT) not in sys.path:
 
 from bench.baselines import layers_deleted  # noqa: E402
 from bench.report import write_report  # noqa: E402
-from bench.sweep import Bench, EvalSet, measure_baselines  # noqa: E402
+from bench.evaluate import nullmethod, perplexity  # noqa: E402
+from bench.sweep import Bench, EvalSet, measure_baselines, measure_pruned  # noqa: E402
 from vlm_retrofit import RouterConfig, attach_routers  # noqa: E402
+from vlm_retrofit.pruning import prune_layers  # noqa: E402
 from vlm_retrofit.testing import tiny_inputs, tiny_vlm  # noqa: E402
 
 QUALITY = ("agreement", "kl", "ppl_ratio", "rouge_l", "compute_saved", "skipped_fraction")
@@ -72,6 +74,25 @@ def test_baselines_are_reused_only_under_the_same_key_and_their_speed_is_measure
     for new, old in zip(other, first):
         assert new["method"] == old["method"]
         assert all(new[k] == old[k] for k in QUALITY if k in old)  # quality is deterministic
+
+
+def test_pruned_release_records_measure_what_the_pruned_model_computes(tmp_path):
+    import copy
+
+    bench = _bench()
+    adapter = attach_routers(bench.model, RouterConfig(block_size=1))
+    layout, spec, config = adapter.layout, adapter.spec, adapter.config
+    adapter.detach()
+    records = measure_pruned(bench, "ours-x-pruned", [2, 3, 1, 4], layout, spec, config, [0.25, 0.5], 0.25,
+                             lambda message: None)
+    assert [(r["target"], r["settings"]["blocks"]) for r in records] == [(0.25, [2, 3]), (0.5, [1, 2, 3])]
+    assert records[0]["decode_speedup_b1"] > 0 and records[1]["decode_speedup_b1"] is None
+    assert "pruned release" in records[0]["speed_measured_as"]
+    assert not any(layer._forward_pre_hooks for layer in spec.get_layers(bench.model))  # identity routers detached
+    pruned = copy.deepcopy(bench.model)
+    prune_layers(pruned, spec, [2, 3])
+    ppl = perplexity(pruned, bench.data.text_chunks, nullmethod)
+    assert abs(records[0]["ppl_ratio"] - ppl / bench.base["ppl"]) < 1e-4
 
 
 def test_report_writes_json_markdown_and_plot(tmp_path):
