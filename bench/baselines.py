@@ -1,4 +1,4 @@
-"""Baselines outside calibrate: the per-token update oracle, and static removal as shipped (layers deleted)."""
+"""Baselines outside calibrate: the per-token update oracle (runs every layer to decide what to skip)."""
 
 from __future__ import annotations
 
@@ -6,24 +6,7 @@ import contextlib
 from typing import Any, Iterable, Iterator
 
 import torch
-from torch import Tensor, nn
-
-
-@contextlib.contextmanager
-def layers_deleted(model: nn.Module, spec, layers: Iterable[int]) -> Iterator[None]:
-    """Static removal as a pruned release ships it: the decoder runs without `layers`, no routers, no hooks.
-
-    Each kept layer keeps its `layer_idx`, so it reads and writes its own KV-cache slot; the removed layers'
-    slots stay empty (nothing ever reads them). `spec` is the backbone's `vlm_retrofit` spec (decoder path).
-    """
-    decoder = spec.get_decoder(model)
-    full = getattr(decoder, spec.layers_attr)
-    removed = set(layers)
-    setattr(decoder, spec.layers_attr, nn.ModuleList(layer for i, layer in enumerate(full) if i not in removed))
-    try:
-        yield
-    finally:
-        setattr(decoder, spec.layers_attr, full)
+from torch import Tensor
 
 
 class UpdateOracle:

@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from .data import tuxpaint_split
     from .real_vlm import load_image, load_real_vlm
-    from .baselines import layers_deleted
+    from vlm_retrofit.pruning import layers_removed
     from .sweep import prompt_inputs
 
     model, processor = load_real_vlm()
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     layers = [i for b in blocks for i in adapter.layout.layers_of_block(b)]
     for batch, inputs in results:
         with torch.no_grad():
-            deleted = measure(model, None, inputs, pad, lambda: layers_deleted(model, adapter.spec, layers),
+            deleted = measure(model, None, inputs, pad, lambda: layers_removed(model, adapter.spec, layers),
                               args.rounds, args.new_tokens)
         print(f"batch {batch}: the same {len(layers)} layers deleted, no routers: {deleted:.3f}x base")
     return 0

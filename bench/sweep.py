@@ -212,9 +212,8 @@ def measure_pruned(bench: Bench, name: str, order: list[int], layout, spec, rout
     tests/test_pruning.py checks the equality), decode speed with the layers deleted and no routers attached.
     """
     from vlm_retrofit import attach_routers
+    from vlm_retrofit.pruning import layers_removed
     from vlm_retrofit.skipping.calibrate import static_prefix
-
-    from .baselines import layers_deleted
 
     records = []
     identity = attach_routers(bench.model, type(router_config).from_dict(router_config.to_dict()))
@@ -228,7 +227,7 @@ def measure_pruned(bench: Bench, name: str, order: list[int], layout, spec, rout
     for record in records:
         if record["target"] == speed_target:
             layers = [i for b in record["settings"]["blocks"] for i in layout.layers_of_block(b)]
-            record.update(bench.measure_speed(lambda: layers_deleted(bench.model, spec, layers)),
+            record.update(bench.measure_speed(lambda: layers_removed(bench.model, spec, layers)),
                           speed_measured_as="layers deleted, no routers attached (the pruned release)")
             log(f"{name} @ {record['target']:.2f} decode: {record['decode_speedup_b1']:.3f}x (B=1), "
                 f"{record['decode_speedup_b8']:.3f}x (B=8)")
@@ -246,8 +245,9 @@ def measure_baselines(bench: Bench, targets: list[float], speed_target: float, r
     rewrites `cache`.
     """
     from vlm_retrofit import RouterConfig, attach_routers, calibrate
+    from vlm_retrofit.pruning import layers_removed
 
-    from .baselines import UpdateOracle, layers_deleted
+    from .baselines import UpdateOracle
 
     model, data, records = bench.model, bench.data, []
     key = {**key, "targets": list(targets), "speed_target": speed_target, "removal_order": list(removal_order),
@@ -295,7 +295,7 @@ def measure_baselines(bench: Bench, targets: list[float], speed_target: float, r
     bench.base_method = nullmethod
     for record in deleted:  # the plain model is the base: no hooks on either side
         layers = [i for b in record["settings"]["blocks"] for i in layout.layers_of_block(b)]
-        record.update(bench.measure_speed(lambda: layers_deleted(model, identity.spec, layers)),
+        record.update(bench.measure_speed(lambda: layers_removed(model, identity.spec, layers)),
                       speed_measured_as="layers deleted, no routers attached")
         log(f"{record['method']} @ {record['target']:.2f} decode with the layers deleted: "
             f"{record['decode_speedup_b1']:.3f}x (B=1), {record['decode_speedup_b8']:.3f}x (B=8)")

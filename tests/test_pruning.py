@@ -1,4 +1,4 @@
-"""Pruning: deleted layers equal static removal on every family, pruned releases from trained adapters, refusals."""
+"""Pruning: deleted layers equal static removal on every family (in place and in a context), pruned releases, refusals."""
 
 import json
 import os
@@ -10,7 +10,7 @@ import torch
 from vlm_retrofit import RouterConfig, attach_routers, load_release
 from vlm_retrofit.backbones.loading import load_backbone
 from vlm_retrofit.cli import main
-from vlm_retrofit.pruning import blocks_to_prune, prune_layers
+from vlm_retrofit.pruning import blocks_to_prune, layers_removed, prune_layers
 from vlm_retrofit.release import load_trained, merge
 from vlm_retrofit.testing import FAMILIES, tiny_inputs, tiny_vlm
 
@@ -46,6 +46,24 @@ def test_pruned_model_equals_static_removal_and_reloads(family, tmp_path):
     reloaded, _ = load_backbone(str(tmp_path))
     assert reloaded.config.get_text_config().num_hidden_layers == 4
     torch.testing.assert_close(_real_logits(reloaded, inputs), expected, atol=1e-4, rtol=0)
+
+
+def test_layers_removed_in_context_equals_static_removal_with_routers_at_init_with_and_without_cache():
+    model, tokenizer = tiny_vlm("llama", num_hidden_layers=6)
+    inputs = dict(tiny_inputs(tokenizer, batch=2))  # left-padded: the cache of removed layers must not matter
+    identity = attach_routers(model, RouterConfig(block_size=1))
+    spec = identity.spec
+    with torch.no_grad(), identity.skipping("static", blocks=[2, 4]):
+        static_logits = model(**inputs).logits
+        static_tokens = model.generate(**inputs, max_new_tokens=6, do_sample=False)
+    identity.detach()
+    with torch.no_grad(), layers_removed(model, spec, [2, 4]):
+        assert len(spec.get_layers(model)) == 4
+        deleted_logits = model(**inputs).logits
+        deleted_tokens = model.generate(**inputs, max_new_tokens=6, do_sample=False)
+    assert len(spec.get_layers(model)) == 6  # restored
+    torch.testing.assert_close(deleted_logits, static_logits, atol=1e-4, rtol=0)
+    assert torch.equal(deleted_tokens, static_tokens)
 
 
 def test_prune_layers_refuses_bad_requests():

@@ -174,3 +174,44 @@ def test_impact_order_is_found_trained_saved_and_restored(tmp_path):
                              max_removed_blocks=2)
     resumed.on_load_checkpoint(checkpoint)
     assert resumed.adapter.removal_order == order
+
+
+LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "up_proj"]}
+
+
+def test_lora_healing_without_routers_trains_the_lora_of_a_plainly_pruned_student():
+    def module(train_routers):
+        return RetrofitModule(backbone="tiny:llama", backbone_kwargs=LAYERS, lora=LORA, removal_order=[3, 2, 1],
+                              max_removed_blocks=2, min_removed_blocks=2, max_drop_rate=0.0, use_gates=False,
+                              train_routers=train_routers, lr=1e-2, warmup_steps=0, scheduler="constant")
+
+    batches = _batches(2)
+    routed, plain = module(True), module(False)
+    # At init the routers are the identity, so routing around the removed blocks is plain removal: same loss.
+    with torch.no_grad():
+        a = routed.compute_loss(batches[0], drop_rate=0.0, seed=0)
+        b = plain.compute_loss(batches[0], drop_rate=0.0, seed=0)
+    torch.testing.assert_close(b.kl, a.kl, atol=1e-5, rtol=0)
+    assert b.kl > 1e-3 and b.realised_keep == {1: 1.0, 2: 0.0, 3: 0.0, 4: 1.0}
+    assert abs(b.realised_compute - 4 / 6) < 1e-9 and not b.entropy
+
+    assert plain.trainable_keys() and all("lora_" in k for k in plain.trainable_keys())
+    routers = {k: v.clone() for k, v in plain.adapter.state_dict().items()}
+    lora = {k: v.clone() for k, v in plain.trainable_state_dict().items()}
+    from vlm_retrofit.training import FixedBatchDataModule
+
+    data = FixedBatchDataModule(processor="tiny:llama", num_batches=2, val_batches=0, batch_size=2, seed=0)
+    _trainer(4).fit(plain, data)
+    assert all(torch.equal(v, plain.adapter.state_dict()[k]) for k, v in routers.items())  # routers untouched
+    assert any(not torch.equal(v, plain.trainable_state_dict()[k]) for k, v in lora.items())
+    with torch.no_grad():
+        assert plain.compute_loss(batches[0], drop_rate=0.0, seed=0).kl < b.kl  # the LoRA heals the removal
+    # The student's forward is undone: the model has all its layers and the routers attached afterwards.
+    assert len(plain.adapter.spec.get_layers(plain.model)) == 6
+
+
+def test_lora_healing_without_routers_is_refused_without_what_it_needs():
+    for kwargs in ({"lora": None}, {"max_removed_blocks": 0, "min_removed_blocks": 0}, {"max_drop_rate": 0.1}):
+        args = {"lora": LORA, "removal_order": [3, 2], "max_removed_blocks": 2, "max_drop_rate": 0.0, **kwargs}
+        with pytest.raises(ValueError, match="train_routers: false"):
+            RetrofitModule(backbone="tiny:llama", backbone_kwargs=LAYERS, train_routers=False, **args)

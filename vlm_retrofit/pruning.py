@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -72,6 +73,23 @@ def prune_layers(model: nn.Module, spec: BackboneSpec, layers: Iterable[int]) ->
                 module.layer_idx = index
     _shrink_config(spec.get_text_config(model), len(full), set(removed))
     return removed
+
+
+@contextlib.contextmanager
+def layers_removed(model: nn.Module, spec: BackboneSpec, layers: Iterable[int]) -> Iterator[None]:
+    """Within the context the decoder runs without `layers`, as a pruned model does; restored on exit.
+
+    Unlike `prune_layers` nothing is renumbered: each kept layer keeps its `layer_idx` and KV-cache slot, and the
+    removed layers' slots stay empty (nothing reads them). For measuring and training, not for saving.
+    """
+    decoder = spec.get_decoder(model)
+    full = getattr(decoder, spec.layers_attr)
+    removed = set(layers)
+    setattr(decoder, spec.layers_attr, nn.ModuleList(layer for i, layer in enumerate(full) if i not in removed))
+    try:
+        yield
+    finally:
+        setattr(decoder, spec.layers_attr, full)
 
 
 def _shrink_config(text_config: Any, num_layers: int, removed: set[int]) -> None:

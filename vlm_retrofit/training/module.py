@@ -20,6 +20,7 @@ from ..skipping import SkipSimulation
 from ..routing import RouterConfig, attach_routers
 from ..backbones import unwrap_model
 from ..backbones.loading import load_backbone
+from ..pruning import layers_removed
 from .checkpoint import CHECKPOINT_KEY, check_checkpoint, checkpoint_metadata
 from .losses import PENALTIES, compute_penalty, distillation_kl, drop_rate_at, routing_entropies
 from .optim import SCHEDULES, base_lr, build_optimizer, lr_lambda
@@ -70,6 +71,7 @@ class RetrofitModule(pl.LightningModule):
         backbone: str = "tiny:qwen2_vl",
         router: RouterConfig = RouterConfig(),  # noqa: B008 - read-only default, shown in --help
         lora: dict[str, Any] | None = None,
+        train_routers: bool = True,
         trust_remote_code: bool = False,
         torch_dtype: str | None = None,
         attn_implementation: str | None = None,
@@ -110,6 +112,10 @@ class RetrofitModule(pl.LightningModule):
                 blocks, skip_gate, ...). Default: per-layer routing, first and last block never skipped.
             lora: optional `peft.LoraConfig` fields (e.g. `{r: 8, lora_alpha: 16, target_modules: [q_proj,
                 v_proj]}`) for LoRA "healing" trained alongside the routers; null = routers only.
+            train_routers: false = the routers (and gates) stay at identity, frozen, and the student is the backbone
+                with the removal schedule's blocks deleted: plain layer removal healed by the LoRA alone, which is
+                what `merge --prune-target` ships. Cheaper steps (no routing); needs `lora`, a removal schedule
+                and `max_drop_rate: 0` (per-token skipping needs routers).
             trust_remote_code: allow the backbone's own modelling code from the hub (off unless set explicitly).
             torch_dtype: dtype of the frozen weights: float32, bfloat16, float16, auto (checkpoint's) or null
                 (library default). Routers always keep fp32 parameters.
@@ -188,6 +194,10 @@ class RetrofitModule(pl.LightningModule):
             raise ValueError(f"removal_order must be a list of block indices, 'impact' or 'joint', got {removal_order!r}")
         if removal_order == "joint" and not max_removed_blocks:
             raise ValueError("removal_order: joint picks max_removed_blocks blocks; set max_removed_blocks >= 1")
+        if not train_routers and not (lora and max_removed_blocks >= 1 and max_drop_rate == 0):
+            raise ValueError("train_routers: false trains a LoRA to heal removed blocks: it needs lora, "
+                             f"max_removed_blocks >= 1 and max_drop_rate: 0 (got lora={'set' if lora else None}, "
+                             f"max_removed_blocks={max_removed_blocks}, max_drop_rate={max_drop_rate})")
         if max_nonfinite_steps < 1:
             raise ValueError(f"max_nonfinite_steps must be >= 1, got {max_nonfinite_steps}")
         self.save_hyperparameters(ignore=["router"])
@@ -205,6 +215,8 @@ class RetrofitModule(pl.LightningModule):
         self.model = model
         self.processor = processor
         self.adapter = attach_routers(model, router_cfg)
+        if not train_routers:
+            self.adapter.requires_grad_(False)  # identity routing, neither trained nor checkpointed
         self.adapter.base_model = {"name": backbone, "kwargs": dict(backbone_kwargs or {}), "torch_dtype": torch_dtype,
                                    "attn_implementation": attn_implementation, "model_class": model_class,
                                    "trust_remote_code": trust_remote_code}
@@ -355,30 +367,35 @@ class RetrofitModule(pl.LightningModule):
                 mask = mask[:, keep]
         with self.teacher():
             teacher_logits = self._forward_logits(inputs, keep)
-        sim = self.simulation(drop_rate, seed, self.removed_blocks(seed, largest=largest_removal))
-        if sim is None:
-            student_logits = self._forward_logits(inputs, keep)
+        removed = self.removed_blocks(seed, largest=largest_removal)
+        layout = self.adapter.layout
+        sim = None
+        if not self.hparams.train_routers:  # identity routing is the plain residual stream: the layers just go
+            layers = [i for b in removed for i in layout.layers_of_block(b)]
+            with self.adapter.disabled(), layers_removed(self.model, self.adapter.spec, layers):
+                student_logits = self._forward_logits(inputs, keep)
         else:
-            with sim:
+            sim = self.simulation(drop_rate, seed, removed)
+            with sim if sim is not None else contextlib.nullcontext():
                 student_logits = self._forward_logits(inputs, keep)
         kl = distillation_kl(student_logits, teacher_logits, mask, self.hparams.temperature)
 
-        layout = self.adapter.layout
         skippable = layout.skippable_blocks
         if sim is not None:
             expected_compute = torch.as_tensor(sim.expected_compute(), device=kl.device, dtype=torch.float32)
             expected_keep = {int(b): float(torch.as_tensor(v).detach()) for b, v in sim.expected_keep.items()}
             realised_keep = {int(b): float(v) for b, v in sim.realised_keep.items()}
         else:
-            expected_compute = kl.new_ones(())
-            expected_keep = {b: 1.0 for b in skippable}
-            realised_keep = {b: 1.0 for b in skippable}
+            expected_keep = {b: 0.0 if b in removed else 1.0 for b in skippable}
+            realised_keep = dict(expected_keep)
+            kept_layers = layout.num_layers - sum(len(layout.layers_of_block(b)) for b in removed)
+            expected_compute = kl.new_tensor(kept_layers / layout.num_layers)
         ran_layers = layout.num_layers - sum(len(layout.layers_of_block(b)) for b in skippable)
         ran_layers += sum(realised_keep.get(b, 1.0) * len(layout.layers_of_block(b)) for b in skippable)
         penalty = compute_penalty(expected_compute, self.hparams.compute_target, self.hparams.compute_weight,
                                   self.hparams.compute_penalty).to(kl.device)
-        entropy = {k: float(v) for k, v in
-                   routing_entropies(self.adapter.last_routing_weights, inputs.get("attention_mask")).items()}
+        entropy = {k: float(v) for k, v in routing_entropies(
+            self.adapter.last_routing_weights if self.hparams.train_routers else {}, inputs.get("attention_mask")).items()}
         return StepOutput(loss=kl + penalty, kl=kl, penalty=penalty, expected_compute=expected_compute,
                           realised_compute=ran_layers / layout.num_layers, expected_keep=expected_keep,
                           realised_keep=realised_keep, entropy=entropy, tokens=int(mask.sum()),
