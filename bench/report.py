@@ -17,7 +17,9 @@ def _recipe(info: dict[str, Any]) -> str:
     parts = []
     if info.get("lr") is not None:
         parts.append(f"lr {info['lr']:g}" + (f" ({info['schedule']})" if info.get("schedule") else ""))
-    if info.get("query_lr_scale") is not None:
+    if info.get("train_routers") is False:
+        parts.append("routers off (identity, untrained): LoRA only")
+    elif info.get("query_lr_scale") is not None:
         parts.append(f"queries at {info['query_lr_scale']:g}x lr")
     if info.get("distill_positions"):
         parts.append(f"KL on {info['distill_positions']} positions")

@@ -38,8 +38,8 @@ class Variant:
     """Static variants: remove blocks in greedy *joint* removal order (each pick the cheapest given the earlier
     ones) instead of by single-block impact."""
     steps: int | None = None
-    """Train this many steps with the learning rate decaying to 0 (cosine) over them, the time budget as a cap;
-    None = as many steps as the time budget allows, at a constant learning rate."""
+    """Train this many steps with the learning rate decaying to a tenth over them (cosine; `min_lr_ratio`), the
+    time budget as a cap; None = as many steps as the time budget allows, at a constant learning rate."""
 
 
 # The routed recipe after the first runs: queries at 1/25 of the lr (AdamW moves all 576 query coordinates by
@@ -64,12 +64,19 @@ VARIANTS = {
     # The same, removing the blocks greedy joint removal picks: a better starting point for the healing.
     "routed_static_lora_mlp_joint": Variant("routed_static_lora_mlp_joint", "static", {"block_size": 1},
                                             {**ROUTED, "lora": LORA_ALL}, fixed_removal=True, joint_order=True),
-    # The same with the learning rate decayed to 0 over a fixed number of steps: at a constant rate its training KL
-    # stopped falling halfway through the budget (~0.27-0.30 over the last half), the signature of step noise.
+    # The same with the learning rate decayed (cosine, to a tenth) over a fixed number of steps: at a constant rate
+    # its training KL stopped falling halfway through the budget (~0.27-0.30 over the last half): step noise.
     # 115 steps fit the 15 min budget at the ~7 s/step measured there.
     "routed_static_lora_mlp_joint_cosine": Variant("routed_static_lora_mlp_joint_cosine", "static", {"block_size": 1},
                                                    {**ROUTED, "lora": LORA_ALL}, fixed_removal=True, joint_order=True,
                                                    steps=115),
+    # LoRA healing alone: routers off (identity, untrained), the student is the backbone with the joint blocks
+    # deleted. With LoRA the trained routers had added nothing (identity routers + the same LoRA: within 0.3 % of
+    # the perplexity). Same cosine decay as the variant above, over 145 steps: a 2-minute probe measured 8.1 s/step
+    # against 10.2 routed, but over a whole run both take ~7.0 s, so the time cap ends it at ~129 steps (lr ~0.15x).
+    "lora_mlp_joint_plain": Variant("lora_mlp_joint_plain", "static", {"block_size": 1},
+                                    {**ROUTED, "lora": LORA_ALL, "train_routers": False}, fixed_removal=True,
+                                    joint_order=True, steps=145),
     # Per-token policies: learned gates pulled to a compute target, and the ReSkip recent-weight rule under a
     # drop-rate curriculum; same query lr and KL positions as the routed variants.
     "gate": Variant("gate", "gate", {"block_size": 1, "skip_gate": True},
@@ -138,11 +145,12 @@ def train_variant(variant: Variant, backbone: str, shards: dict[str, Any], minut
     module.save_adapter(out / "adapter")
     steady = timings[5:] or timings
     info = {"steps": trainer.global_step, "minutes": minutes, "batch_size": batch_size, "lr": module_args["lr"],
-            "schedule": f"cosine over {variant.steps} steps" if variant.steps else module_args["scheduler"],
+            "schedule": f"cosine to 0.1x over {variant.steps} steps" if variant.steps else module_args["scheduler"],
             "fit_seconds": round(fit_seconds, 1),
             "removal_order": module.adapter.removal_order, "max_removed_blocks": module.hparams.max_removed_blocks,
             "min_removed_blocks": module.hparams.min_removed_blocks,
             "query_lr_scale": module.hparams.query_lr_scale, "distill_positions": module.hparams.distill_positions,
+            "train_routers": module.hparams.train_routers,
             "device": device, "dtype": dtype or "float32",
             "step_seconds": sum(steady) / max(1, len(steady)), "peak_rss_mb": _peak_rss_mb(),
             # Mean training KL per tenth of the run (the removal prefix is random per step: read the trend).
@@ -157,9 +165,8 @@ def train_variant(variant: Variant, backbone: str, shards: dict[str, Any], minut
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__)
     parser.add_argument("--variants", nargs="+",
-                        default=["routed_static", "routed_static_lora", "routed_static_lora_mlp_fixed",
-                                 "routed_static_lora_mlp_joint", "routed_static_lora_mlp_joint_cosine", "gate",
-                                 "recent_weight"],
+                        default=["routed_static", "routed_static_lora", "routed_static_lora_mlp_joint",
+                                 "routed_static_lora_mlp_joint_cosine", "lora_mlp_joint_plain", "gate", "recent_weight"],
                         choices=sorted(VARIANTS))
     parser.add_argument("--train-minutes", type=float, default=15.0, help="distillation budget per variant (wall clock)")
     parser.add_argument("--batch-size", type=int, default=4)
