@@ -153,3 +153,30 @@ def test_demo_config_fits_with_fast_dev_run(real, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert main(["fit", "--config", str(ROOT / "configs" / "smollm2-tuxpaint.yaml"), "--trainer.fast_dev_run", "1",
                  "--trainer.enable_progress_bar", "false", "--data.num_workers", "0"]) == 0
+
+
+def test_pruned_release_of_the_real_vlm_is_a_shallower_stock_llava(real, tmp_path):
+    """merge --prune-blocks on real weights: 27 of 30 layers saved and reloaded, equal to plain removal of the rest."""
+    from vlm_retrofit import load_release
+    from vlm_retrofit.release import merge
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    model, processor = real_vlm.load_real_vlm(build=False)  # a copy of its own: the merge prunes it in place
+    adapter = attach_routers(model, RouterConfig(block_size=1))
+    adapter.base_model = {"name": str(real_vlm.CACHE_DIR),
+                          "model_class": "bench.efficientnet_tower.LlavaForConditionalGeneration"}
+    inputs = _inputs(processor)
+    with torch.no_grad(), adapter.skipping("static", blocks=[14, 16, 17]):
+        expected = model(**inputs).logits[inputs["attention_mask"].bool()]
+    adapter.save_pretrained(tmp_path / "adapter")
+    adapter.detach()
+
+    merge(tmp_path / "adapter", tmp_path / "release", prune_blocks=[14, 16, 17])  # verified against plain removal
+    pruned, _ = load_release(tmp_path / "release")
+    assert type(pruned).__name__ == "LlavaForConditionalGeneration"
+    assert len(pruned.model.language_model.layers) == pruned.config.text_config.num_hidden_layers == 27
+    with torch.no_grad():
+        logits = pruned(**inputs).logits[inputs["attention_mask"].bool()]
+        tokens = pruned.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)
+    torch.testing.assert_close(logits, expected, atol=1e-3, rtol=0)  # logits reach ~38: fp32 noise of the stream
+    assert tokens.shape[1] == inputs["input_ids"].shape[1] + NEW_TOKENS

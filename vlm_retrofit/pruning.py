@@ -65,7 +65,8 @@ def prune_layers(model: nn.Module, spec: BackboneSpec, layers: Iterable[int]) ->
     if injected and removed[0] <= injected[-1]:
         raise ValueError(f"cannot prune layers {removed}: the backbone injects features at layers {injected} by "
                          f"index; only layers after {injected[-1]} can be pruned")
-    kept = [layer for i, layer in enumerate(full) if i not in set(removed)]
+    gone = set(removed)
+    kept = [layer for i, layer in enumerate(full) if i not in gone]
     setattr(decoder, spec.layers_attr, nn.ModuleList(kept))
     for index, layer in enumerate(kept):
         for module in layer.modules():

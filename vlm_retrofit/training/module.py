@@ -114,8 +114,8 @@ class RetrofitModule(pl.LightningModule):
                 v_proj]}`) for LoRA "healing" trained alongside the routers; null = routers only.
             train_routers: false = the routers (and gates) stay at identity, frozen, and the student is the backbone
                 with the removal schedule's blocks deleted: plain layer removal healed by the LoRA alone, which is
-                what `merge --prune-target` ships. Cheaper steps (no routing); needs `lora`, a removal schedule
-                and `max_drop_rate: 0` (per-token skipping needs routers).
+                what `merge --prune-target` ships. The student does no routing; needs `lora`, a removal
+                schedule and `max_drop_rate: 0` (per-token skipping needs routers).
             trust_remote_code: allow the backbone's own modelling code from the hub (off unless set explicitly).
             torch_dtype: dtype of the frozen weights: float32, bfloat16, float16, auto (checkpoint's) or null
                 (library default). Routers always keep fp32 parameters.
