@@ -71,9 +71,10 @@ VARIANTS = {
                                                    {**ROUTED, "lora": LORA_ALL}, fixed_removal=True, joint_order=True,
                                                    steps=115),
     # LoRA healing alone: routers off (identity, untrained), the student is the backbone with the joint blocks
-    # deleted. With LoRA the trained routers had added nothing (identity routers + the same LoRA: within 0.3 % of
-    # the perplexity). Same cosine decay as the variant above, over 145 steps: a 2-minute probe measured 8.1 s/step
-    # against 10.2 routed, but over a whole run both take ~7.0 s, so the time cap ends it at ~129 steps (lr ~0.15x).
+    # deleted. With LoRA the trained routers had added nothing (identity routers + the same LoRA: perplexity within
+    # 0.3 % at 10 and 20 %, 1.3 % at 30 %). Same cosine decay as above, over 145 steps: a 2-minute probe measured
+    # 8.1 s/step against 10.2 routed, but over a whole run both take ~7.0 s, so the time cap ends it at ~129 steps
+    # (lr ~0.15x by then).
     "lora_mlp_joint_plain": Variant("lora_mlp_joint_plain", "static", {"block_size": 1},
                                     {**ROUTED, "lora": LORA_ALL, "train_routers": False}, fixed_removal=True,
                                     joint_order=True, steps=145),
