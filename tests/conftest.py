@@ -14,3 +14,19 @@ torch.use_deterministic_algorithms(False)
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+def fit_config(run_dir, config: str, *overrides: str) -> None:
+    """A short `python -m vlm_retrofit fit --config configs/<config>` in `run_dir` (its runs/ land there)."""
+    from pathlib import Path
+
+    from vlm_retrofit.cli import main
+
+    cwd = os.getcwd()
+    os.chdir(run_dir)
+    try:
+        assert main(["fit", "--config", str(Path(__file__).parents[1] / "configs" / config),
+                     "--trainer.enable_progress_bar", "false", "--trainer.limit_val_batches", "0",
+                     "--data.num_workers", "0", *overrides]) == 0
+    finally:
+        os.chdir(cwd)

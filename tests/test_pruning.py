@@ -1,8 +1,6 @@
 """Pruning: deleted layers equal static removal on every family (in place and in a context), pruned releases, refusals."""
 
 import json
-import os
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +11,8 @@ from vlm_retrofit.cli import main
 from vlm_retrofit.pruning import blocks_to_prune, layers_removed, prune_layers
 from vlm_retrofit.release import load_trained, merge
 from vlm_retrofit.testing import FAMILIES, tiny_inputs, tiny_vlm
+
+from conftest import fit_config
 
 
 def _real_logits(model, inputs):
@@ -102,15 +102,8 @@ def test_blocks_to_prune_reads_calibration_then_removal_order():
 def trained_removal(tmp_path_factory):
     """A short `fit` with the removal schedule and LoRA on tiny Qwen2-VL: its exported adapter folder."""
     run = tmp_path_factory.mktemp("run")
-    cwd = os.getcwd()
-    os.chdir(run)
-    try:
-        assert main(["fit", "--config", str(Path(__file__).parents[1] / "configs" / "tiny-removal.yaml"),
-                     "--model.lora", '{"r": 4, "lora_alpha": 8, "target_modules": ".*language_model.*\\\\.(q_proj|v_proj)"}',
-                     "--trainer.max_steps", "3", "--trainer.enable_progress_bar", "false",
-                     "--trainer.limit_val_batches", "0", "--data.num_workers", "0", "--trainer.callbacks", "[]"]) == 0
-    finally:
-        os.chdir(cwd)
+    fit_config(run, "tiny-removal.yaml", "--trainer.max_steps", "3", "--trainer.callbacks", "[]", "--model.lora",
+               '{"r": 4, "lora_alpha": 8, "target_modules": ".*language_model.*\\\\.(q_proj|v_proj)"}')
     return run / "runs" / "tiny-removal" / "adapter"
 
 

@@ -4,7 +4,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,19 +13,14 @@ from vlm_retrofit.cli import main
 from vlm_retrofit.release import load_checkpoint, merge
 from vlm_retrofit.testing import tiny_inputs
 
+from conftest import fit_config
+
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """A short `fit` of routers + LoRA on tiny LLaVA: its checkpoint and exported adapter folder."""
     run = tmp_path_factory.mktemp("run")
-    cwd = os.getcwd()
-    os.chdir(run)
-    try:
-        assert main(["fit", "--config", str(Path(__file__).parents[1] / "configs" / "tiny-llava-lora.yaml"),
-                     "--trainer.max_steps", "3", "--trainer.enable_progress_bar", "false",
-                     "--trainer.limit_val_batches", "0", "--data.num_workers", "0"]) == 0
-    finally:
-        os.chdir(cwd)
+    fit_config(run, "tiny-llava-lora.yaml", "--trainer.max_steps", "3")
     root = run / "runs" / "tiny-llava-lora"
     return root / "checkpoints" / "last.ckpt", root / "adapter"
 
