@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{static:.3f}x base (tokens/s ratios; overhead = 1 / ratio = {1 / routers:.3f})")
         results.append((batch, inputs))
     adapter.detach()  # the plain model from here on: no hooks on either side
-    layers = [i for b in blocks for i in adapter.layout.layers_of_block(b)]
+    layers = adapter.layout.layers_of_blocks(blocks)
     for batch, inputs in results:
         with torch.no_grad():
             deleted = measure(model, None, inputs, pad, lambda: layers_removed(model, adapter.spec, layers),

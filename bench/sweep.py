@@ -226,7 +226,7 @@ def measure_pruned(bench: Bench, name: str, order: list[int], layout, spec, rout
     bench.base_method = nullmethod  # the plain model is the base: no hooks on either side
     for record in records:
         if record["target"] == speed_target:
-            layers = [i for b in record["settings"]["blocks"] for i in layout.layers_of_block(b)]
+            layers = layout.layers_of_blocks(record["settings"]["blocks"])
             record.update(bench.measure_speed(lambda: layers_removed(bench.model, spec, layers)),
                           speed_measured_as="layers deleted, no routers attached (the pruned release)")
             log(f"{name} @ {record['target']:.2f} decode: {record['decode_speedup_b1']:.3f}x (B=1), "
@@ -290,11 +290,11 @@ def measure_baselines(bench: Bench, targets: list[float], speed_target: float, r
                 identity, data.calibration, t, "static", store=False, order=o).settings)
         point("random", target, "random", lambda t=target: calibrate(
             identity, data.calibration, t, "random", store=False, tolerance=bench.tolerance).settings)
-    skippable_layers = [i for b in layout.skippable_blocks for i in layout.layers_of_block(b)]
+    skippable_layers = layout.layers_of_blocks(layout.skippable_blocks)
     identity.detach()
     bench.base_method = nullmethod
     for record in deleted:  # the plain model is the base: no hooks on either side
-        layers = [i for b in record["settings"]["blocks"] for i in layout.layers_of_block(b)]
+        layers = layout.layers_of_blocks(record["settings"]["blocks"])
         record.update(bench.measure_speed(lambda: layers_removed(model, identity.spec, layers)),
                       speed_measured_as="layers deleted, no routers attached")
         log(f"{record['method']} @ {record['target']:.2f} decode with the layers deleted: "

@@ -152,7 +152,7 @@ def test_static_removal_writes_no_cache_for_removed_blocks_and_equals_the_uncach
     torch.testing.assert_close(torch.stack(out.logits, 1), torch.stack(reference.logits, 1), atol=1e-4, rtol=0)
     assert torch.equal(out.sequences, reference.sequences)
     # Layer 0 and the first layer of each attention type size HF's masks: a block holding one keeps kv-only.
-    cacheless = [i for b in controller.cacheless_blocks for i in adapter.layout.layers_of_block(b)]
+    cacheless = adapter.layout.layers_of_blocks(controller.cacheless_blocks)
     assert cacheless and set(controller.cacheless_blocks) <= set(blocks)
     lengths = [layer.keys.shape[2] if layer.is_initialized else 0 for layer in out.past_key_values.layers]
     assert all(lengths[i] == 0 for i in cacheless)

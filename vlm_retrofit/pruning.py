@@ -115,7 +115,7 @@ def prune_for_release(loaded: Loaded, blocks: list[int], inputs: dict[str, Any])
         model = model.merge_and_unload()  # the router hooks sit on layer instances and survive this
     with adapter.skipping("static", blocks=blocks):
         routed = real_logits(model, inputs)
-    layers = [i for b in blocks for i in adapter.layout.layers_of_block(b)]
+    layers = adapter.layout.layers_of_blocks(blocks)
     num_layers, spec, router_config = adapter.layout.num_layers, adapter.spec, adapter.config
     adapter.detach()
     identity = attach_routers(model, RouterConfig.from_dict(router_config.to_dict()))

@@ -111,13 +111,11 @@ def _load_release(directory: Path) -> Loaded:
     if config.get("format") != RELEASE_FORMAT:
         raise ValueError(f"{directory / RELEASE_CONFIG} is not a vlm_retrofit release")
     base_model = config["base_model"]
-    if config.get("pruned"):  # a plain, shallower model of the base's class: no routers, nothing merged on top
-        model, processor = load_backbone(str(directory / "model"), **_load_kwargs({**base_model, "kwargs": None}),
-                                         processor_from=str(directory / "processor"))
-        return Loaded(model.eval(), processor, None, base_model, config.get("lora"), "release")
     if config.get("full_weights"):
         model, processor = load_backbone(str(directory / "model"), **_load_kwargs({**base_model, "kwargs": None}),
                                          processor_from=str(directory / "processor"))
+        if config.get("pruned"):  # a plain, shallower model of the base's class: no routers, nothing merged on top
+            return Loaded(model.eval(), processor, None, base_model, config.get("lora"), "release")
     else:
         model, _, base_model = _load_base(base_model, None, str(directory))
         processor = load_processor(str(directory / "processor"),

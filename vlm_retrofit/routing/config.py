@@ -109,5 +109,9 @@ class BlockLayout:
         end = self.block_starts[block + 1] if block + 1 < self.num_blocks else self.num_layers
         return range(self.block_starts[block], end)
 
+    def layers_of_blocks(self, blocks: Iterable[int]) -> list[int]:
+        """The decoder layers of `blocks`, in the order given."""
+        return [layer for block in blocks for layer in self.layers_of_block(block)]
+
     def to_dict(self) -> dict[str, Any]:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}

@@ -371,7 +371,7 @@ class RetrofitModule(pl.LightningModule):
         layout = self.adapter.layout
         sim = None
         if not self.hparams.train_routers:  # identity routing is the plain residual stream: the layers just go
-            layers = [i for b in removed for i in layout.layers_of_block(b)]
+            layers = layout.layers_of_blocks(removed)
             with self.adapter.disabled(), layers_removed(self.model, self.adapter.spec, layers):
                 student_logits = self._forward_logits(inputs, keep)
         else:
@@ -388,7 +388,7 @@ class RetrofitModule(pl.LightningModule):
         else:
             expected_keep = {b: 0.0 if b in removed else 1.0 for b in skippable}
             realised_keep = dict(expected_keep)
-            kept_layers = layout.num_layers - sum(len(layout.layers_of_block(b)) for b in removed)
+            kept_layers = layout.num_layers - len(layout.layers_of_blocks(removed))
             expected_compute = kl.new_tensor(kept_layers / layout.num_layers)
         ran_layers = layout.num_layers - sum(len(layout.layers_of_block(b)) for b in skippable)
         ran_layers += sum(realised_keep.get(b, 1.0) * len(layout.layers_of_block(b)) for b in skippable)
