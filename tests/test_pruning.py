@@ -1,6 +1,7 @@
 """Pruning: deleted layers equal static removal on every family (in place and in a context), pruned releases, refusals."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -146,6 +147,10 @@ def test_pruned_release_commands_and_refusals(trained_removal, tmp_path, capsys)
     capsys.readouterr()
     assert main(["generate", "--model", str(tmp_path / "pruned"), "--prompt", "Hi", "--max-new-tokens", "3"]) == 0
     assert "[pruned release] decoder layers [3] of 8 deleted" in capsys.readouterr().out
+    assert main(["generate", "--model", str(tmp_path / "pruned"), "--prompt", "Hi", "--max-new-tokens", "3",
+                 "--compare-base"]) == 0
+    out = capsys.readouterr().out
+    assert "base model: " in out and re.search(r"agreement with the base's answer: \d/3 tokens; decode \d+\.\d\dx", out)
     assert main(["generate", "--model", str(tmp_path / "pruned"), "--prompt", "Hi", "--skip-policy", "static"]) == 1
     assert "drop --skip-policy" in capsys.readouterr().out
     assert main(["calibrate", "--model", str(tmp_path / "pruned"), "--policy", "static"]) == 1

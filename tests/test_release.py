@@ -131,9 +131,11 @@ def test_calibrate_merge_generate_commands(trained, tmp_path, capsys):
     capsys.readouterr()
     assert main(["generate", "--model", str(tmp_path / "release"), "--image", str(tmp_path / "red.png"),
                  "--prompt", "What colour is it?", "--skip-policy", "recent_weight", "--target-saving", "0.2",
-                 "--max-new-tokens", "5"]) == 0
+                 "--max-new-tokens", "5", "--compare-base"]) == 0
     out = capsys.readouterr().out
     assert "[recent_weight] decoder-block compute saved" in out
+    # Beside the unmodified base: its answer, the agreement with it and the decode-speed ratio.
+    assert "agreement with the base's answer: " in out and "x the base's tokens/s" in out
     assert main(["generate", "--model", str(tmp_path / "release"), "--prompt", "Hi", "--skip-policy", "recent_weight",
                  "--target-saving", "0.9"]) == 1  # not calibrated for 0.9: refused with the way forward
     assert "calibrate" in capsys.readouterr().out

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
 from itertools import islice
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .release import Loaded, load_trained, summarize_pruning
+from .release import Loaded, load_base_model, load_trained, summarize_pruning
 from .skipping import POLICIES, SkipController, calibrate
 
 
@@ -98,6 +99,36 @@ def chat_inputs(processor: Any, prompt: str, image: Any | None) -> dict[str, Any
                                          return_tensors="pt")
 
 
+def _tokens_per_second(generate, repeats: int = 2) -> float:
+    """Best of `repeats` timed runs of `generate()` (returns the new tokens), after a warm-up run."""
+    generate()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        count = generate().numel()
+        best = min(best, (time.perf_counter() - start) / max(1, count))
+    return 1.0 / best
+
+
+def _compare_with_base(loaded: Loaded, base: str | None, generate_model, inputs: dict[str, Any], output: torch.Tensor,
+                       options: dict[str, Any], tokenizer) -> None:
+    """Print the unmodified base's answer, the agreement with it and the decode speed against it (batch 1)."""
+    base_model = load_base_model(loaded, base)
+    prompt_length = inputs["input_ids"].shape[1]
+
+    def generate_base() -> torch.Tensor:
+        with torch.no_grad():
+            return base_model.generate(**inputs, **options)[0, prompt_length:]
+
+    reference = generate_base()
+    width = max(len(output), len(reference))
+    same = sum(int(a == b) for a, b in zip(output.tolist(), reference.tolist()))
+    speedup = _tokens_per_second(generate_model) / _tokens_per_second(generate_base)
+    print(f"base model: {tokenizer.decode(reference, skip_special_tokens=True)}")
+    print(f"agreement with the base's answer: {same}/{width} tokens; decode {speedup:.2f}x the base's tokens/s "
+          "(batch 1, best of 2 runs each; one prompt, so a rough figure: bench/ measures it properly)")
+
+
 def generate_main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m vlm_retrofit generate",
                                      description="Answer one prompt (optionally about an image) with block skipping, "
@@ -113,6 +144,9 @@ def generate_main(argv: list[str] | None = None) -> int:
                         help="explicit threshold for recent_weight / gate (instead of --target-saving)")
     parser.add_argument("--budget", type=float, default=None, help="max blocks one token may skip (count or fraction)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--compare-base", action="store_true",
+                        help="also load the unmodified base model: print its answer, the agreement with it and the "
+                             "decode speed against it")
     ns = parser.parse_args(argv)
     if ns.image is not None and not os.path.isfile(ns.image):
         print(f"generate: image {ns.image} does not exist")
@@ -130,25 +164,39 @@ def generate_main(argv: list[str] | None = None) -> int:
     if ns.threshold is not None:
         settings = {"thresholds" if ns.skip_policy == "recent_weight" else "threshold": ns.threshold}
     tokenizer = getattr(loaded.processor, "tokenizer", loaded.processor)
+    prompt_length = inputs["input_ids"].shape[1]
+    options = dict(max_new_tokens=ns.max_new_tokens, do_sample=False)
     if loaded.adapter is None:  # a pruned release: a plain model, its removed layers already gone
         if ns.skip_policy:
             print(f"generate: {ns.model} is a pruned release with no routers: drop --skip-policy (its removed "
                   "layers are deleted from the weights, every token saves them)")
             return 1
-        with torch.no_grad():
-            output = loaded.model.generate(**inputs, max_new_tokens=ns.max_new_tokens, do_sample=False)
-        print(tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))
+
+        def generate_pruned() -> torch.Tensor:
+            with torch.no_grad():
+                return loaded.model.generate(**inputs, **options)[0, prompt_length:]
+
+        output = generate_pruned()
+        print(tokenizer.decode(output, skip_special_tokens=True))
         print(f"[pruned release] {summarize_pruning(Path(ns.model))}")
+        if ns.compare_base:
+            _compare_with_base(loaded, ns.base, generate_pruned, inputs, output, options, tokenizer)
         return 0
+
+    def controller() -> SkipController:
+        return (loaded.adapter.skipping(ns.skip_policy, target_saving=ns.target_saving, budget=ns.budget, **settings)
+                if ns.skip_policy else SkipController(loaded.adapter, None))
+
+    def generate_routed() -> torch.Tensor:
+        with torch.no_grad(), controller():
+            return loaded.model.generate(**inputs, **options)[0, prompt_length:]
+
     try:
-        controller = (loaded.adapter.skipping(ns.skip_policy, target_saving=ns.target_saving, budget=ns.budget, **settings)
-                      if ns.skip_policy else SkipController(loaded.adapter, None))
+        skipping = controller()
     except ValueError as error:
         print(f"generate: {error}")
         return 1
-    prompt_length = inputs["input_ids"].shape[1]
-    options = dict(max_new_tokens=ns.max_new_tokens, do_sample=False)
-    with torch.no_grad(), controller as report:
+    with torch.no_grad(), skipping as report:
         output = loaded.model.generate(**inputs, **options)[0, prompt_length:]
     print(tokenizer.decode(output, skip_special_tokens=True))
     print(f"[{ns.skip_policy or 'no skipping'}] {report.summary()}")
@@ -160,4 +208,6 @@ def generate_main(argv: list[str] | None = None) -> int:
         print(f"without skipping: {tokenizer.decode(reference, skip_special_tokens=True)}")
         print(f"agreement with the unskipped answer: {same}/{width} tokens; "
               f"decoder-block compute saved {100 * report.compute_saved:.1f} %")
+    if ns.compare_base:
+        _compare_with_base(loaded, ns.base, generate_routed, inputs, output, options, tokenizer)
     return 0

@@ -58,6 +58,11 @@ def _load_base(base_model: dict[str, Any], base: str | None, source: str) -> tup
     return model, processor, base_model
 
 
+def load_base_model(loaded: Loaded, base: str | None = None) -> nn.Module:
+    """A fresh copy of the unmodified base model `loaded` was trained on (`base` overrides the recorded name)."""
+    return _load_base(loaded.base_model, base, "the loaded model")[0].eval()
+
+
 def load_checkpoint(path: str | os.PathLike, base: str | None = None) -> Loaded:
     """Rebuild the trained model of a Lightning checkpoint written by `RetrofitModule` (no Lightning needed)."""
     path = Path(path)
