@@ -117,8 +117,9 @@ class Stages:
 
     def __init__(self, formatter: ChatFormatter, batch_size: int, seed: int, state: EpochState, *,
                  image_keys: list[str], text_keys: list[str], prompt: str, max_image_pixels: int,
-                 max_image_side: int, shuffle_buffer: int = 0):
+                 max_image_side: int, shuffle_buffer: int = 0, group_by_modality: bool = False):
         self.formatter, self.batch_size, self.seed, self.state = formatter, batch_size, seed, state
+        self.group_by_modality = group_by_modality
         self.decode_kw = dict(image_keys=image_keys, text_keys=text_keys, prompt=prompt,
                               max_image_pixels=max_image_pixels, max_image_side=max_image_side)
         self.shuffle_buffer = shuffle_buffer
@@ -144,11 +145,12 @@ class Stages:
                 self.counter.skip(s.reason, sample.get("__url__", "?"), sample.get("__key__"), s.detail)
 
     def batch(self, src: Iterable[Example]):
-        """Collate `batch_size` examples at a time (one modality per batch if the processor cannot mix).
+        """Collate `batch_size` examples at a time (one modality per batch if the processor cannot mix, or if
+        `group_by_modality`: image and text-only samples differ in length, so mixed batches are mostly padding).
 
         One batch of look-ahead: skips found after the last batch of a finite pass are added to that batch."""
         groups: dict[bool, list[Example]] = {}
-        mix, pending = self.formatter.can_mix, None
+        mix, pending = self.formatter.can_mix and not self.group_by_modality, None
         for ex in src:
             group = groups.setdefault(True if mix else ex.image is not None, [])
             group.append(ex)

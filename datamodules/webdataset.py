@@ -105,6 +105,7 @@ class WebDatasetDataModule(pl.LightningDataModule):
         seed: int = 0,
         train_samples_per_epoch: int = 1024,
         shuffle_buffer: int = 256,
+        group_by_modality: bool = False,
         max_image_pixels: int = 40_000_000,
         max_image_side: int = 2048,
         max_bad_fraction: float = 0.05,
@@ -138,6 +139,9 @@ class WebDatasetDataModule(pl.LightningDataModule):
             seed: base seed: the training stream (shard choice, shuffle) is a function of seed, rank, worker, epoch.
             train_samples_per_epoch: samples per epoch and rank (`with_epoch`; the resampled stream is infinite).
             shuffle_buffer: sample shuffle buffer per worker (0 disables).
+            group_by_modality: batch image samples with image samples and text-only with text-only, even when the
+                processor could mix them: less padding when their lengths differ (always on for processors that
+                cannot mix).
             max_image_pixels: images with more pixels are skipped (`huge_image`) without being decoded.
             max_image_side: images with a longer side are downscaled (aspect kept) before the processor.
             max_bad_fraction: stop training if more than this fraction of samples is unusable.
@@ -160,6 +164,7 @@ class WebDatasetDataModule(pl.LightningDataModule):
         self.batch_size, self.val_batch_size = batch_size, val_batch_size or batch_size
         self.num_workers, self.seed = num_workers, seed
         self.train_samples_per_epoch, self.shuffle_buffer = train_samples_per_epoch, shuffle_buffer
+        self.group_by_modality = group_by_modality
         self.max_image_pixels, self.max_image_side = max_image_pixels, max_image_side
         self.max_bad_fraction, self.min_samples_for_check = max_bad_fraction, min_samples_for_check
         self.synthetic_samples, self.text_only_fraction = synthetic_samples, text_only_fraction
@@ -230,7 +235,8 @@ class WebDatasetDataModule(pl.LightningDataModule):
             self.setup()
         return Stages(self.formatter, batch_size, self.seed, self.epoch_state, image_keys=self.image_keys,
                       text_keys=self.text_keys, prompt=self.prompt, max_image_pixels=self.max_image_pixels,
-                      max_image_side=self.max_image_side, shuffle_buffer=self.shuffle_buffer if shuffle else 0)
+                      max_image_side=self.max_image_side, shuffle_buffer=self.shuffle_buffer if shuffle else 0,
+                      group_by_modality=self.group_by_modality)
 
     def _loader(self, dataset) -> EpochLoader:
         return EpochLoader(dataset, batch_size=None, num_workers=self.num_workers, pin_memory=self.pin_memory,

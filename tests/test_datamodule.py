@@ -216,6 +216,29 @@ def test_default_synthetic_data_and_mixed_batches(tmp_path):
     assert (tmp_path / "cache" / "manifest.json").stat().st_mtime_ns == stamp  # cache reused
 
 
+def test_group_by_modality_keeps_every_sample_in_single_modality_batches(tmp_path):
+    kw = dict(data_dir=str(tmp_path / "cache"), synthetic_samples=96, num_workers=0, batch_size=4,
+              text_only_fraction=0.5)
+    mixed = WebDatasetDataModule(PROC, **kw)
+    grouped = WebDatasetDataModule(PROC, group_by_modality=True, **kw)
+    for dm in (mixed, grouped):
+        dm.setup("fit")
+
+    def rows(dm):  # (has image, tokens) per sample of one validation pass, and per batch whether its images vary
+        out, varied = [], []
+        for b in dm.val_dataloader():
+            has_image = (b["mm_token_type_ids"].sum(1) > 0 if "mm_token_type_ids" in b
+                         else torch.zeros(len(b["input_ids"]), dtype=torch.bool))
+            varied.append(bool(has_image.any() and not has_image.all()))
+            out += [(bool(h), tuple(ids[:n].tolist())) for h, ids, n in
+                    zip(has_image, b["input_ids"], b["attention_mask"].sum(1))]
+        return out, varied
+
+    (mixed_rows, mixed_varied), (grouped_rows, grouped_varied) = rows(mixed), rows(grouped)
+    assert any(mixed_varied) and not any(grouped_varied)
+    assert sorted(grouped_rows) == sorted(mixed_rows)  # the same samples: only the batching differs
+
+
 def test_bad_fraction_check_names_worst_shards():
     assert check_bad_fraction({"corrupt_image": 3}, 97, max_bad_fraction=0.05, min_samples=50) == 0.03
     assert check_bad_fraction({"corrupt_image": 30}, 10, max_bad_fraction=0.05, min_samples=50) == 0.75  # too few
