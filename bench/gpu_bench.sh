@@ -3,7 +3,7 @@
 # H200-class GPU once the assets are built; the first run also builds them, a few minutes on CPU).
 # Writes bench/gpu/RESULTS.md, results.json and pareto.png (GPU name and date in the header); the adapters
 # go to bench/.cache/runs-gpu (delete it to retrain). Extra arguments go to `python -m bench.run`.
-# Usage: bench/gpu_bench.sh [--train-minutes 1.5] [--variants routed_static gate] ...
+# Usage: bench/gpu_bench.sh [--train-minutes 1.5] [--train-steps 600] [--variants routed_static gate] ...
 # Needs `make bench`'s packages (.venv/.bench-installed) and an NVIDIA GPU; nothing is downloaded.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,6 +16,7 @@ if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || true
 mkdir -p bench/gpu
-exec "$PY" -m bench.run --device cuda --dtype bfloat16 --train-minutes 1.5 \
-  --variants routed_static_lora routed_static_lora_mlp_joint gate recent_weight \
+# Variants decayed over a fixed step count get 600 steps (--train-steps), still capped at 1.5 min each.
+exec "$PY" -m bench.run --device cuda --dtype bfloat16 --train-minutes 1.5 --train-steps 600 \
+  --variants lora_mlp_joint_plain routed_static_lora_mlp_joint gate recent_weight \
   --caption-samples 35 --text-chunks 12 --runs bench/.cache/runs-gpu --out bench/gpu "$@"

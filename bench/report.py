@@ -17,6 +17,8 @@ def _recipe(info: dict[str, Any]) -> str:
     parts = []
     if info.get("lr") is not None:
         parts.append(f"lr {info['lr']:g}" + (f" ({info['schedule']})" if info.get("schedule") else ""))
+    if info.get("precision") or info.get("dtype"):
+        parts.append(f"{info.get('precision') or info['dtype']} steps")
     if info.get("train_routers") is False:
         parts.append("routers off (identity, untrained): LoRA only")
     elif info.get("query_lr_scale") is not None:
@@ -36,17 +38,21 @@ def write_report(results: dict[str, Any], out_dir: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    methods = sorted({r["method"] for r in results["records"]})
-    figure, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for method in methods:
+    # A `-pruned` curve lies on its variant's (same blocks, identity routers: quality within ~1 %); the table has both.
+    methods = sorted({r["method"] for r in results["records"] if not r["method"].endswith("-pruned")})
+    figure, axes = plt.subplots(1, 2, figsize=(14, 4))
+    for index, method in enumerate(methods):
         rows = sorted((r for r in results["records"] if r["method"] == method), key=lambda r: r["target"])
         x = [r.get("compute_saved") if r.get("compute_saved") is not None else r.get("skipped_fraction", r["target"])
              for r in rows]
-        axes[0].plot(x, [r["ppl_ratio"] for r in rows], marker="o", label=method)
-        axes[1].plot(x, [r["agreement"] for r in rows], marker="o", label=method)
+        # Ours solid, baselines dashed; 20 colours, so no two curves share a colour and a style.
+        style = dict(marker="o", label=method, color=plt.cm.tab20(index % 20),
+                     linestyle="-" if method.startswith("ours") else "--")
+        axes[0].plot(x, [r["ppl_ratio"] for r in rows], **style)
+        axes[1].plot(x, [r["agreement"] for r in rows], **style)
     axes[0].set(xlabel="decoder-block compute saved", ylabel="held-out perplexity ratio vs base", yscale="log")
     axes[1].set(xlabel="decoder-block compute saved", ylabel="top-1 agreement with base (teacher-forced)")
-    axes[1].legend(fontsize=7)
+    axes[1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5))  # beside the plot, not over it
     figure.tight_layout()
     figure.savefig(out_dir / "pareto.png", dpi=110)
     plt.close(figure)
