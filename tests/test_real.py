@@ -143,15 +143,16 @@ def test_load_backbone_reads_the_cached_folder(real):
         torch.testing.assert_close(model(**inputs).logits, reference(**inputs).logits, atol=1e-5, rtol=0)
 
 
-def test_demo_config_fits_with_fast_dev_run(real, tmp_path, monkeypatch):
-    """configs/smollm2-tuxpaint.yaml (what `make demo` trains) runs one step on the real VLM and its shards."""
+@pytest.mark.parametrize("config", ["smollm2-tuxpaint.yaml", "smollm2-tuxpaint-routers.yaml"])
+def test_real_config_fits_with_fast_dev_run(real, config, tmp_path, monkeypatch):
+    """configs/smollm2-tuxpaint*.yaml (`make demo` trains the first) run one step on the real VLM and its shards."""
     from bench.data import write_bench_shards
     from vlm_retrofit.cli import main
 
     write_bench_shards()
     (tmp_path / "bench").symlink_to(ROOT / "bench")  # the config names bench/.cache/... relative to the cwd
     monkeypatch.chdir(tmp_path)
-    assert main(["fit", "--config", str(ROOT / "configs" / "smollm2-tuxpaint.yaml"), "--trainer.fast_dev_run", "1",
+    assert main(["fit", "--config", str(ROOT / "configs" / config), "--trainer.fast_dev_run", "1",
                  "--trainer.enable_progress_bar", "false", "--data.num_workers", "0"]) == 0
 
 
