@@ -90,6 +90,13 @@ VARIANTS = {
 }
 
 
+def selected_variants(names: list[str], train_steps: int | None = None) -> list[Variant]:
+    """The named variants; `train_steps` replaces the step count of those trained over a fixed number of steps
+    (the others train for as many steps as the time budget allows)."""
+    variants = [VARIANTS[name] for name in names]
+    return [dataclasses.replace(v, steps=train_steps) if train_steps and v.steps else v for v in variants]
+
+
 def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
@@ -234,9 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     max_removed_blocks = min(len(removal_order), math.ceil(max(args.targets) * num_layers - 1e-9))
     speed_removed_blocks = min(len(removal_order), math.ceil(args.speed_target * num_layers - 1e-9))
     joint_order = joint_removal_order(model, data.calibration, removal_order, max_removed_blocks, runs, log)
-    variants = [VARIANTS[name] for name in args.variants]
-    if args.train_steps:
-        variants = [dataclasses.replace(v, steps=args.train_steps) if v.steps else v for v in variants]
+    variants = selected_variants(args.variants, args.train_steps)
     training = {}
     for variant in variants:
         cached = (runs / variant.name / "train_info.json").is_file()

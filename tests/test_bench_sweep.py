@@ -1,4 +1,5 @@
-"""bench/sweep.py and bench/report.py on a tiny model: baselines reused only under the same key; report files."""
+"""bench/sweep.py, report.py and run.py on a tiny model: baselines reused only under the same key; report files;
+the variant selection."""
 
 import json
 import sys
@@ -11,6 +12,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # bench/ is a folder at the repository root, not an installed package
 
 from bench.report import write_report  # noqa: E402
+from bench.run import VARIANTS, selected_variants  # noqa: E402
 from bench.evaluate import nullmethod, perplexity  # noqa: E402
 from bench.sweep import Bench, EvalSet, measure_baselines, measure_pruned  # noqa: E402
 from vlm_retrofit import RouterConfig, attach_routers  # noqa: E402
@@ -113,3 +115,13 @@ def test_report_writes_json_markdown_and_plot(tmp_path):
     assert "lr 0.002, queries at 0.04x lr, removal schedule k = 6..9" in table
     assert "lr 0.002 (cosine to 0.1x over 3 steps), routers off (identity, untrained): LoRA only" in table
     assert (tmp_path / "pareto.png").stat().st_size > 0
+
+
+def test_train_steps_override_only_the_fixed_step_variants():
+    names = ["lora_mlp_joint_plain", "routed_static_lora_mlp_joint_cosine", "gate"]
+    registered = [VARIANTS[n].steps for n in names]
+    assert registered[0] and registered[1] and registered[2] is None
+    assert [v.steps for v in selected_variants(names)] == registered
+    plain, cosine, gate = selected_variants(names, train_steps=600)
+    assert plain.steps == cosine.steps == 600 and gate.steps is None  # time-budgeted variants stay so
+    assert [VARIANTS[n].steps for n in names] == registered  # the registry is not modified
