@@ -73,8 +73,9 @@ VARIANTS = {
                                                    steps=115),
     # LoRA healing alone: routers off (identity, untrained), the student is the backbone with the joint blocks
     # deleted. With LoRA the trained routers had added nothing (identity routers + the same LoRA: perplexity within
-    # 0.3 % at 10 and 20 %, 1.3 % at 30 %). Same cosine decay as above, over 280 steps: what 20 minutes of
-    # bf16-mixed steps hold on 2 CPU cores (~4 s/step; fp32 steps took ~7 s).
+    # 0.3 % at 10 and 20 %, 1.3 % at 30 %). Same cosine decay as above, set for 280 steps from a short probe of
+    # bf16-mixed steps; over the eighth run's 20 minutes they took 5.6 s (fp32: 7.0 s), so the cap ended it at 215
+    # with the learning rate still ~0.3x (~210 steps would finish the decay on 2 CPU cores).
     "lora_mlp_joint_plain": Variant("lora_mlp_joint_plain", "static", {"block_size": 1},
                                     {**ROUTED, "lora": LORA_ALL, "train_routers": False}, fixed_removal=True,
                                     joint_order=True, steps=280),
@@ -182,8 +183,8 @@ def main(argv: list[str] | None = None) -> int:
                              "cosine decay spans it; the time budget still caps it): e.g. more steps on a GPU")
     parser.add_argument("--train-precision", default="bf16-mixed", choices=["32-true", "bf16-mixed"],
                         help="Lightning precision of the distillation steps: bf16-mixed runs the matmuls in bf16 "
-                             "under autocast (measured ~1.8x the steps per minute of 32-true on this AVX512-BF16 "
-                             "CPU); the KL and the trained weights stay fp32")
+                             "under autocast (1.25x the steps per minute of 32-true over a whole run on 2 AVX512-BF16 "
+                             "CPU cores); the KL and the trained weights stay fp32")
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--targets", type=float, nargs="+", default=[0.1, 0.2, 0.3],
                         help="fractions of decoder-layer executions to skip (matched across methods)")

@@ -99,6 +99,12 @@ def chat_inputs(processor: Any, prompt: str, image: Any | None) -> dict[str, Any
                                          return_tensors="pt")
 
 
+def _agreement(output: torch.Tensor, reference: torch.Tensor) -> str:
+    """`same/width tokens`: position-wise equal tokens of two greedy answers, over the longer one."""
+    same = sum(int(a == b) for a, b in zip(output.tolist(), reference.tolist()))
+    return f"{same}/{max(len(output), len(reference))} tokens"
+
+
 def _tokens_per_second(generate, repeats: int = 2) -> float:
     """Best of `repeats` timed runs of `generate()` (returns the new tokens), after a warm-up run."""
     generate()
@@ -121,11 +127,10 @@ def _compare_with_base(loaded: Loaded, base: str | None, generate_model, inputs:
             return base_model.generate(**inputs, **options)[0, prompt_length:]
 
     reference = generate_base()
-    width = max(len(output), len(reference))
-    same = sum(int(a == b) for a, b in zip(output.tolist(), reference.tolist()))
     speedup = _tokens_per_second(generate_model) / _tokens_per_second(generate_base)
     print(f"base model: {tokenizer.decode(reference, skip_special_tokens=True)}")
-    print(f"agreement with the base's answer: {same}/{width} tokens; decode {speedup:.2f}x the base's tokens/s "
+    print(f"agreement with the base's answer: {_agreement(output, reference)}; "
+          f"decode {speedup:.2f}x the base's tokens/s "
           "(batch 1, best of 2 runs each; one prompt, so a rough figure: bench/ measures it properly)")
 
 
@@ -203,10 +208,8 @@ def generate_main(argv: list[str] | None = None) -> int:
     if ns.skip_policy:
         with torch.no_grad():
             reference = loaded.model.generate(**inputs, **options)[0, prompt_length:]
-        width = max(len(output), len(reference))
-        same = sum(int(a == b) for a, b in zip(output.tolist(), reference.tolist()))
         print(f"without skipping: {tokenizer.decode(reference, skip_special_tokens=True)}")
-        print(f"agreement with the unskipped answer: {same}/{width} tokens; "
+        print(f"agreement with the unskipped answer: {_agreement(output, reference)}; "
               f"decoder-block compute saved {100 * report.compute_saved:.1f} %")
     if ns.compare_base:
         _compare_with_base(loaded, ns.base, generate_routed, inputs, output, options, tokenizer)
