@@ -388,10 +388,10 @@ class RetrofitModule(pl.LightningModule):
         else:
             expected_keep = {b: 0.0 if b in removed else 1.0 for b in skippable}
             realised_keep = dict(expected_keep)
-            kept_layers = layout.num_layers - len(layout.layers_of_blocks(removed))
-            expected_compute = kl.new_tensor(kept_layers / layout.num_layers)
         ran_layers = layout.num_layers - sum(len(layout.layers_of_block(b)) for b in skippable)
         ran_layers += sum(realised_keep.get(b, 1.0) * len(layout.layers_of_block(b)) for b in skippable)
+        if sim is None:  # nothing sampled: what is removed is exactly what does not run
+            expected_compute = kl.new_tensor(ran_layers / layout.num_layers)
         penalty = compute_penalty(expected_compute, self.hparams.compute_target, self.hparams.compute_weight,
                                   self.hparams.compute_penalty).to(kl.device)
         entropy = {k: float(v) for k, v in routing_entropies(
