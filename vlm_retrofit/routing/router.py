@@ -76,12 +76,15 @@ class DepthRouter(nn.Module):
 
     def _source_bias(self, stack: "SourceStack", k: int) -> Tensor:
         index = stack.slot_index()
-        return self.bias[:k] if index is None else self.bias[index]
+        bias = self._parameters["bias"]
+        return bias[:k] if index is None else bias[index]
 
     def _inference_scorer(self) -> Tensor:
         # Without autograd the parameters only change in place (optimizer steps, load_state_dict) or by
         # moving, which version counters and data pointers show: fold the gain into the query once, not per call.
-        query, gain = self.query, self.key_norm_weight
+        # `_parameters` directly: nn.Module.__getattr__ costs as much as a small kernel at decode time.
+        params = self._parameters
+        query, gain = params["query"], params["key_norm_weight"]
         key = (query._version, gain._version, query.data_ptr(), gain.data_ptr())
         cached = self.__dict__.get("_scorer_cache")
         if cached is None or cached[0] != key:
@@ -90,25 +93,28 @@ class DepthRouter(nn.Module):
         return cached[1]
 
     def _mix_buffered(self, stack: "SourceStack", k: int) -> tuple[Tensor, Tensor]:
-        # A handful of kernels per router whatever K is, each reading the buffer at most once: q . (v * r) ==
-        # (q . v) * r scores without a normalised copy, and the K multiplier rides on the mixing product.
+        # Decoding runs this once per block per token on a few tokens, so Python work costs as much as the
+        # arithmetic: a handful of kernels whatever K is, each reading the buffer at most once, few helper calls.
+        # q . (v * r) == (q . v) * r scores without a normalised copy, and the K multiplier rides on the mixing
+        # product.
         values = stack.flat_values()  # [K, tokens, d], contiguous
-        width, tokens = values.shape[-1], values.shape[1]
-        scores = (values.view(-1, width) @ self._inference_scorer()).view(k, tokens)
-        if self.bias is not None:
-            logits = torch.addcmul(self._source_bias(stack, k)[:, None], scores, stack.flat_inv_rms())  # [K, tokens]
+        tokens = values.shape[1]
+        flat = values.view(k * tokens, values.shape[2])
+        scores = torch.mv(flat, self._inference_scorer()).view(k, tokens)
+        if self._parameters["bias"] is not None:
+            logits = torch.addcmul(self._source_bias(stack, k).unsqueeze(1), scores, stack.flat_inv_rms())  # [K, tokens]
         else:
             logits = scores * stack.flat_inv_rms()
         present = stack.flat_present()
         if present is not None:
             logits = logits.masked_fill(~present, float("-inf"))
         alpha = torch.softmax(logits, dim=0)
-        count = float(k) if present is None else present.sum(0, keepdim=True).to(alpha.dtype)  # K per token
         if tokens == 1 and present is None:  # one token: one vector-matrix product, K applied inside it
-            mixed = torch.addmm(stack.zero, alpha.t(), values.view(k, width), beta=0, alpha=count)
+            mixed = torch.addmm(stack.zero, alpha.t(), flat, beta=0, alpha=k)
         else:
+            count = float(k) if present is None else present.sum(0, keepdim=True).to(alpha.dtype)  # K per token
             weights = alpha * count
-            mixed = weights.t() @ values.view(k, width) if tokens == 1 else (weights.unsqueeze(-1) * values).sum(0)
+            mixed = weights.t() @ flat if tokens == 1 else (weights.unsqueeze(-1) * values).sum(0)
         return mixed.view(stack.shape).to(stack.dtype), alpha.view(k, *stack.shape[:-1])
 
 
