@@ -2,10 +2,13 @@
 
     python -m bench.overhead                     # routers at init, batch 1 and 8, 5 alternating rounds
     python -m bench.overhead --adapter bench/.cache/runs/routed_static/adapter --target 0.2
+    python -m bench.overhead --block-size 3      # routers at init in front of every third layer
 
 Every ratio is (tokens/s of the variant) / (tokens/s of the base), both measured alternately in the same
 process, best of `--rounds`; the base is the same model with the adapter disabled. The last ratio deletes the
 same layers from the plain model with the routers detached: static removal as a pruned release ships it.
+On a busy CPU those ratios move by several per cent between calls, so each batch also reports routing's share of
+one routed generate call, timed inside it (`bench.evaluate.routing_share`): a finer, lower-bound reading.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.overhead", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--adapter", default=None, help="trained adapter folder (default: routers at init)")
+    parser.add_argument("--block-size", type=int, default=1,
+                        help="layers per routed block for routers at init (a trained adapter keeps its own)")
     parser.add_argument("--target", type=float, default=0.2, help="static removal target (fraction of layers)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--new-tokens", type=int, default=32)
@@ -40,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     from vlm_retrofit.skipping import static_prefix
 
     from .data import tuxpaint_split
+    from .evaluate import routing_share
     from .real_vlm import load_image, load_real_vlm
     from vlm_retrofit.pruning import layers_removed
     from .sweep import prompt_inputs
@@ -47,12 +53,13 @@ def main(argv: list[str] | None = None) -> int:
     model, processor = load_real_vlm()
     model = model.to(args.device).eval()
     adapter = (RouterAdapter.from_pretrained(model, args.adapter) if args.adapter
-               else attach_routers(model, RouterConfig(block_size=1)))
+               else attach_routers(model, RouterConfig(block_size=args.block_size)))
     order = adapter.removal_order or sorted(adapter.layout.skippable_blocks)
     blocks = static_prefix(order, adapter.layout, args.target)  # what calibrate(..., 'static') removes
     pad = generation_pad_id(getattr(processor, "tokenizer", processor))
     images = [load_image(path) for path, _ in tuxpaint_split("val")[:8]]
     print(f"threads {torch.get_num_threads()}, device {args.device}, adapter {args.adapter or 'routers at init'}, "
+          f"{adapter.layout.num_blocks} blocks of {adapter.config.block_size} layer(s), "
           f"static blocks {sorted(blocks)}")
     results = []
     for batch in (1, 8):
@@ -62,8 +69,10 @@ def main(argv: list[str] | None = None) -> int:
             routers = measure(model, adapter, inputs, pad, torch.no_grad, args.rounds, args.new_tokens)
             static = measure(model, adapter, inputs, pad, lambda: adapter.skipping("static", blocks=blocks),
                              args.rounds, args.new_tokens)
+            share = routing_share(model, adapter, inputs, pad, rounds=args.rounds, new_tokens=args.new_tokens)
         print(f"batch {batch}: routers, skipping off {routers:.3f}x base; static removal of {len(blocks)} layers "
-              f"{static:.3f}x base (tokens/s ratios; overhead = 1 / ratio = {1 / routers:.3f})")
+              f"{static:.3f}x base (tokens/s ratios; overhead = 1 / ratio = {1 / routers:.3f}); routing took "
+              f"{share:.1%} of a routed generate call (overhead {1 / (1 - share):.3f} before dispatch and cache effects)")
         results.append((batch, inputs))
     adapter.detach()  # the plain model from here on: no hooks on either side
     layers = adapter.layout.layers_of_blocks(blocks)

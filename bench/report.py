@@ -19,6 +19,8 @@ def _recipe(info: dict[str, Any]) -> str:
         parts.append(f"lr {info['lr']:g}" + (f" ({info['schedule']})" if info.get("schedule") else ""))
     if info.get("precision") or info.get("dtype"):
         parts.append(f"{info.get('precision') or info['dtype']} steps")
+    if info.get("precision") and info.get("dtype") not in (None, "float32"):
+        parts.append(f"frozen weights in {info['dtype']}")
     if info.get("train_routers") is False:
         parts.append("routers off (identity, untrained): LoRA only")
     elif info.get("query_lr_scale") is not None:
@@ -67,8 +69,14 @@ def write_report(results: dict[str, Any], out_dir: Path) -> None:
         f"decode {results['base']['speed_b1']:.1f} tok/s (batch 1), {results['base']['speed_b8']:.1f} tok/s (batch 8)",
         f"* router overhead with skipping off (retrofit ÷ base decode time, batch 1): {_fmt(results['router_overhead'])}",
     ]
+    share = results.get("router_time_share")
+    if share is not None:
+        lines.append(f"* routing's share of a routed decode with skipping off (timed inside one generate call, batch 1): "
+                     f"{share:.1%}, i.e. overhead {1 / (1 - share):.3f} before hook dispatch and cache effects")
     for name, info in results["training"].items():
-        lines.append(f"* training `{name}`: {info['steps']} steps in {info['minutes']} min, "
+        took = (f"{info['fit_seconds'] / 60:.1f} of {info['minutes']:g} min" if info.get("fit_seconds")
+                else f"{info['minutes']} min")  # older runs recorded the budget only
+        lines.append(f"* training `{name}`: {info['steps']} steps in {took}, "
                      f"{info['step_seconds']:.2f} s/step (batch {info['batch_size']}), peak RSS {info['peak_rss_mb']:.0f} MB"
                      + _recipe(info))
     lines += ["", "![compute saved vs quality](pareto.png)", "",

@@ -73,12 +73,13 @@ VARIANTS = {
                                                    steps=115),
     # LoRA healing alone: routers off (identity, untrained), the student is the backbone with the joint blocks
     # deleted. With LoRA the trained routers had added nothing (identity routers + the same LoRA: perplexity within
-    # 0.3 % at 10 and 20 %, 1.3 % at 30 %). Same cosine decay as above, set for 280 steps from a short probe of
-    # bf16-mixed steps; over the eighth run's 20 minutes they took 5.6 s (fp32: 7.0 s), so the cap ended it at 215
-    # with the learning rate still ~0.3x (~210 steps would finish the decay on 2 CPU cores).
+    # 0.3 % at 10 and 20 %, 1.3 % at 30 %). Same cosine decay as above over 240 steps: bf16-mixed steps on bf16
+    # frozen weights take 4.9 s on 2 CPU cores, so 20 minutes hold ~245 (it was set for 280 at 5.6 s/step on fp32
+    # weights, and the cap ended it with the learning rate still ~0.3x). Healing follows the samples seen, not the
+    # steps: batches of 2 for 400 steps (800 samples) healed as much as batches of 4 for 215 (860).
     "lora_mlp_joint_plain": Variant("lora_mlp_joint_plain", "static", {"block_size": 1},
                                     {**ROUTED, "lora": LORA_ALL, "train_routers": False}, fixed_removal=True,
-                                    joint_order=True, steps=280),
+                                    joint_order=True, steps=240),
     # Per-token policies: learned gates pulled to a compute target, and the ReSkip recent-weight rule under a
     # drop-rate curriculum; same query lr and KL positions as the routed variants.
     "gate": Variant("gate", "gate", {"block_size": 1, "skip_gate": True},
@@ -174,8 +175,8 @@ def train_variant(variant: Variant, backbone: str, shards: dict[str, Any], minut
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__)
     parser.add_argument("--variants", nargs="+",
-                        default=["routed_static", "routed_static_lora", "routed_static_lora_mlp_joint",
-                                 "routed_static_lora_mlp_joint_cosine", "lora_mlp_joint_plain", "gate", "recent_weight"],
+                        default=["routed_static", "routed_static_lora_mlp_joint", "lora_mlp_joint_plain", "gate",
+                                 "recent_weight"],
                         choices=sorted(VARIANTS))
     parser.add_argument("--train-minutes", type=float, default=20.0, help="distillation budget per variant (wall clock)")
     parser.add_argument("--train-steps", type=int, default=None,
@@ -185,6 +186,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="Lightning precision of the distillation steps: bf16-mixed runs the matmuls in bf16 "
                              "under autocast (1.25x the steps per minute of 32-true over a whole run on 2 AVX512-BF16 "
                              "CPU cores); the KL and the trained weights stay fp32")
+    parser.add_argument("--train-dtype", default="bfloat16", choices=["float32", "bfloat16"],
+                        help="dtype of the frozen weights during distillation (evaluation uses --dtype): bfloat16 "
+                             "skips autocast's per-step casts of the frozen weights, 1.14x the bf16-mixed steps per "
+                             "minute of float32 on 2 CPU cores, healing as much per sample")
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--targets", type=float, nargs="+", default=[0.1, 0.2, 0.3],
                         help="fractions of decoder-layer executions to skip (matched across methods)")
@@ -252,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
             variant, args.backbone, shards, args.train_minutes, args.batch_size,
             removal_order=joint_order if variant.joint_order else removal_order,
             max_removed_blocks=max_removed_blocks, speed_removed_blocks=speed_removed_blocks, runs=runs, device=args.device,
-            dtype=None if args.dtype == "float32" else args.dtype, precision=args.train_precision)
+            dtype=None if args.train_dtype == "float32" else args.train_dtype, precision=args.train_precision)
         log(f"trained {variant.name}: {training[variant.name]}")
 
     bench = Bench(model, processor, data, args.new_tokens)
@@ -270,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
                     + (f", GPU {torch.cuda.get_device_name()} ({args.dtype})" if args.device.startswith("cuda") else "")),
         "backbone": "SmolLM2-135M-Instruct + EfficientNet-Lite0 features + trained LLaVA projector (bench/real_vlm.py)",
         "base": base,
-        "router_overhead": overhead,
+        **overhead,
         "training": training,
         "settings": {k: v for k, v in vars(args).items() if k not in ("out", "runs")},
         "records": records,

@@ -10,7 +10,8 @@ from typing import Any, Callable
 
 import torch
 
-from .evaluate import Method, decode_speed, greedy, nullmethod, perplexity, rouge_l, speed_ratio, teacher_forced
+from .evaluate import (Method, decode_speed, greedy, nullmethod, perplexity, rouge_l, routing_share, speed_ratio,
+                       teacher_forced)
 
 
 # -- measuring ---------------------------------------------------------------------------------------------
@@ -159,12 +160,13 @@ def joint_removal_order(model, calibration: list[dict[str, Any]], removal_order:
 def sweep(bench: Bench, targets: list[float], variants: list, speed_target: float, removal_order: list[int],
           joint_order: list[int], load_model: Callable[[], Any], runs: Path, log: Callable[[str], None], *,
           baseline_key: dict[str, Any] | None = None, reuse_baselines: bool = False
-          ) -> tuple[list[dict[str, Any]], float | None]:
-    """Every method at every target, one record each; plus the router overhead with skipping off."""
+          ) -> tuple[list[dict[str, Any]], dict[str, float | None]]:
+    """Every method at every target, one record each; plus the router overhead with skipping off
+    (`router_overhead`: wall-clock ratio to the base; `router_time_share`: routing's share of a routed decode)."""
     from vlm_retrofit import RouterAdapter, calibrate
 
     model, data, records = bench.model, bench.data, []
-    overhead = None
+    overhead: dict[str, float | None] = {"router_overhead": None, "router_time_share": None}
     for variant in variants:
         adapter_dir = runs / variant.name / "adapter"
         lora_dir = adapter_dir / "lora"
@@ -177,9 +179,10 @@ def sweep(bench: Bench, targets: list[float], variants: list, speed_target: floa
             bench.model = target_model
         adapter = RouterAdapter.from_pretrained(target_model, adapter_dir)
         bench.base_method = adapter.disabled  # merged LoRA stays in it: speed ratios compare skipping alone
-        if overhead is None and target_model is model:
+        if overhead["router_overhead"] is None and target_model is model:
             # Retrofit time ÷ base time with skipping off: routers attached vs disabled, measured alternately.
-            overhead = 1.0 / bench.speed_ratio(data.captions[0], nullmethod, rounds=3)
+            overhead["router_overhead"] = 1.0 / bench.speed_ratio(data.captions[0], nullmethod, rounds=3)
+            overhead["router_time_share"] = routing_share(model, adapter, data.captions[0], bench.pad, rounds=3)
         # Trained routers with skipping off: what the retrofit itself costs before any block is skipped.
         records.append(_record(f"ours-{variant.name}", 0.0, bench.measure(nullmethod, speed=False), compute_saved=0.0))
         log(f"ours-{variant.name} routers only: {records[-1]}")

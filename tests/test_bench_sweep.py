@@ -13,7 +13,7 @@ if str(ROOT) not in sys.path:
 
 from bench.report import write_report  # noqa: E402
 from bench.run import VARIANTS, selected_variants  # noqa: E402
-from bench.evaluate import nullmethod, perplexity  # noqa: E402
+from bench.evaluate import nullmethod, perplexity, routing_share, timed_routing  # noqa: E402
 from bench.sweep import Bench, EvalSet, measure_baselines, measure_pruned  # noqa: E402
 from vlm_retrofit import RouterConfig, attach_routers  # noqa: E402
 from vlm_retrofit.pruning import prune_layers  # noqa: E402
@@ -100,20 +100,24 @@ def test_report_writes_json_markdown_and_plot(tmp_path):
     record = {"method": "static-greedy-impact", "target": 0.2, "compute_saved": 0.19, "agreement": 0.5,
               "ppl_ratio": 2.0, "rouge_l": 0.3, "decode_speedup_b1": 1.1, "decode_speedup_b8": None, "kl": 0.4}
     results = {"date": "2026-01-01", "machine": "test", "backbone": "tiny", "router_overhead": 1.05,
+               "router_time_share": 0.04,
                "base": {"ppl": 50.0, "rouge_l": 0.35, "speed_b1": 10.0, "speed_b8": 40.0},
                "training": {"routed": {"steps": 3, "minutes": 1.0, "step_seconds": 2.0, "batch_size": 4,
                                        "peak_rss_mb": 100.0, "lr": 2e-3, "query_lr_scale": 0.04,
                                        "max_removed_blocks": 9, "min_removed_blocks": 6},
                             "plain": {"steps": 3, "minutes": 1.0, "step_seconds": 2.0, "batch_size": 4,
                                       "peak_rss_mb": 100.0, "lr": 2e-3, "schedule": "cosine to 0.1x over 3 steps",
+                                      "fit_seconds": 48.0,
                                       "query_lr_scale": 0.04, "train_routers": False}},
                "records": [record]}
     write_report(results, tmp_path)
     assert json.loads((tmp_path / "results.json").read_text())["records"] == [record]
     table = (tmp_path / "RESULTS.md").read_text()
     assert "| static-greedy-impact | 0.20 | 0.190 |" in table and "router overhead" in table
+    assert "4.0%, i.e. overhead 1.042" in table
     assert "lr 0.002, queries at 0.04x lr, removal schedule k = 6..9" in table
     assert "lr 0.002 (cosine to 0.1x over 3 steps), routers off (identity, untrained): LoRA only" in table
+    assert "`plain`: 3 steps in 0.8 of 1 min" in table and "`routed`: 3 steps in 1.0 min" in table
     assert (tmp_path / "pareto.png").stat().st_size > 0
 
 
@@ -125,3 +129,22 @@ def test_train_steps_override_only_the_fixed_step_variants():
     plain, cosine, gate = selected_variants(names, train_steps=600)
     assert plain.steps == cosine.steps == 600 and gate.steps is None  # time-budgeted variants stay so
     assert [VARIANTS[n].steps for n in names] == registered  # the registry is not modified
+
+
+def test_routing_time_is_counted_per_routed_layer_and_leaves_the_adapter_as_it_was():
+    model, tokenizer = tiny_vlm("llama", num_hidden_layers=4)
+    adapter = attach_routers(model, RouterConfig(block_size=1))
+    inputs = dict(tiny_inputs(tokenizer, batch=1))
+    with torch.no_grad():
+        reference = model(**inputs).logits
+        with timed_routing(adapter) as spent:
+            timed = model(**inputs).logits
+            one_forward = spent[0]
+            model(**inputs)
+    assert torch.equal(timed, reference)  # timing does not change what is computed
+    assert 0 < one_forward < spent[0]  # every forward adds to it
+    assert "_mix" not in adapter.__dict__ and "_record_delta" not in adapter.__dict__  # the methods are back
+    share = routing_share(model, adapter, inputs, tokenizer.pad_token_id or 0, rounds=2, new_tokens=3)
+    assert 0 < share < 1
+    with adapter.disabled():  # the base function routes nothing
+        assert routing_share(model, adapter, inputs, tokenizer.pad_token_id or 0, rounds=1, new_tokens=3) == 0
