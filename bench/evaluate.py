@@ -72,15 +72,20 @@ def decode_speed(model, inputs: dict[str, Any], method: Method, pad_token_id: in
     """Generated tokens per second (best of `repeats`), min_new_tokens forcing a fixed length."""
     best = 0.0
     for _ in range(repeats):
-        _sync()
-        start = time.perf_counter()
         with method():
-            model.generate(**inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                           pad_token_id=pad_token_id)
-        _sync()
-        seconds = time.perf_counter() - start
+            seconds = _timed_generate(model, inputs, pad_token_id, new_tokens)
         best = max(best, inputs["input_ids"].shape[0] * new_tokens / seconds)
     return best
+
+
+def _timed_generate(model, inputs: dict[str, Any], pad_token_id: int, new_tokens: int) -> float:
+    """Wall-clock seconds of one greedy generate call of exactly `new_tokens` tokens."""
+    _sync()
+    start = time.perf_counter()
+    model.generate(**inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                   pad_token_id=pad_token_id)
+    _sync()
+    return time.perf_counter() - start
 
 
 def speed_ratio(model, inputs: dict[str, Any], method: Method, base_method: Method, pad_token_id: int, *,
@@ -131,12 +136,7 @@ def routing_share(model, adapter, inputs: dict[str, Any], pad_token_id: int, *, 
     best_total, best_share = math.inf, 0.0
     for _ in range(rounds):
         with timed_routing(adapter) as spent:
-            _sync()
-            start = time.perf_counter()
-            model.generate(**inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                           pad_token_id=pad_token_id)
-            _sync()
-            total = time.perf_counter() - start
+            total = _timed_generate(model, inputs, pad_token_id, new_tokens)
         if total < best_total:
             best_total, best_share = total, spent[0] / total
     return best_share

@@ -131,7 +131,7 @@ def test_train_steps_override_only_the_fixed_step_variants():
     assert [VARIANTS[n].steps for n in names] == registered  # the registry is not modified
 
 
-def test_routing_time_is_counted_per_routed_layer_and_leaves_the_adapter_as_it_was():
+def test_routing_time_accumulates_over_forwards_and_leaves_the_adapter_as_it_was():
     model, tokenizer = tiny_vlm("llama", num_hidden_layers=4)
     adapter = attach_routers(model, RouterConfig(block_size=1))
     inputs = dict(tiny_inputs(tokenizer, batch=1))
