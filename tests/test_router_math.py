@@ -1,8 +1,18 @@
 """The depth-softmax router on its own: identity at uniform routing, the K multiplier, absent sources."""
 
+import pytest
 import torch
 
-from vlm_retrofit.routing import DepthRouter, SkipGate, SourceStack
+from vlm_retrofit.routing import DepthRouter, SkipGate, SourceStack, native
+
+
+@pytest.fixture(params=["fused", "pytorch"], autouse=True)
+def routing_backend(request, monkeypatch):
+    """Each test runs with decode-time (buffered) routing in the fused C kernels and in PyTorch ops."""
+    if request.param == "pytorch":
+        monkeypatch.setattr(native, "usable", lambda first: False)
+    elif native.library() is None:
+        pytest.skip("no C compiler: the fused routing kernels are not built here")
 
 
 def _sources(k, b=2, t=3, d=8):

@@ -68,9 +68,12 @@ class DepthRouter(nn.Module):
             logits = logits.masked_fill(~present, float("-inf"))
             count = present.sum(0).to(logits.dtype)  # [B, T]
         alpha = torch.softmax(logits, dim=0)
-        mixed = alpha[0, ..., None] * stack.source(0).float()
-        for i in range(1, k):
-            mixed = mixed + alpha[i, ..., None] * stack.source(i).float()
+        weights = alpha.unsqueeze(-1)
+        mixed = weights[0] * stack.source(0).float()
+        in_place = not torch.is_grad_enabled()  # one kernel per source; autograd needs the out-of-place form
+        for i in range(1, k):  # source by source: the residual stream's own summation order
+            source = stack.source(i).float()
+            mixed = mixed.addcmul_(weights[i], source) if in_place else mixed + weights[i] * source
         mixed = mixed * (count[..., None] if isinstance(count, Tensor) else count)
         return mixed.to(stack.dtype), alpha
 
@@ -97,6 +100,12 @@ class DepthRouter(nn.Module):
         # arithmetic: a handful of kernels whatever K is, each reading the buffer at most once, few helper calls.
         # q . (v * r) == (q . v) * r scores without a normalised copy, and the K multiplier rides on the mixing
         # product.
+        if stack.native is not None:  # one fused C call (routing.native) where the parameters allow
+            bias = self._parameters["bias"]
+            fused = stack.native.route(k, stack.any_absent, self._inference_scorer(), bias,
+                                       None if bias is None else stack.slot_index())
+            if fused is not None:
+                return fused
         values = stack.flat_values()  # [K, tokens, d], contiguous
         tokens = values.shape[1]
         flat = values.view(k * tokens, values.shape[2])

@@ -8,6 +8,7 @@ from functools import lru_cache
 import torch
 from torch import Tensor
 
+from . import native
 from .router import inverse_rms, rms_normalize
 
 
@@ -47,7 +48,8 @@ class SourceStack:
         self._slots: list[int] = []
         self._dropped = 0
         self._slot_index: Tensor | None = None
-        self._any_absent = False
+        self.any_absent = False
+        """Whether some stored source is absent for some token (else presence masks are all True)."""
         self._present: Tensor | list[Tensor | None]
         if self.buffered:
             self._values = first.new_empty((capacity, tokens, width), dtype=torch.float32)
@@ -55,7 +57,11 @@ class SourceStack:
             self._present = torch.ones((capacity, tokens), dtype=torch.bool, device=first.device)
             self.zero = first.new_zeros((), dtype=torch.float32)
             """A 0-d fp32 zero: the ignored `input` of the routers' addmm (beta = 0)."""
+            self.native = (native.NativeStream(self._values, self._inv_rms, self._present, first.shape, eps)
+                           if native.usable(first) else None)
+            """Fused C kernels for delta pushes and routers (`routing.native`), on buffered fp32 CPU streams."""
         else:
+            self.native = None
             self._values_list: list[Tensor] = []
             self._keys_list: list[Tensor] = []
             self._present = []
@@ -97,26 +103,29 @@ class SourceStack:
     def push(self, source: Tensor, present: Tensor | None = None) -> None:
         """Append a source [B, T, d]; `present` is a bool [B, T] mask of the tokens that have it (None = all)."""
         if self.buffered:
-            self._values[self._count] = source.reshape(-1, source.shape[-1])
-            self._push_buffered(present)
+            i = self._count
+            self._values[i] = source.reshape(-1, source.shape[-1])
+            inverse_rms(self._values[i], self.eps, out=self._inv_rms[i])
+            self._mark_buffered(present)
         else:
             self._push_listed(source, present)
 
     def push_delta(self, output: Tensor, routed_input: Tensor, present: Tensor | None = None) -> None:
         """Append a block's delta, `output - routed_input` ([B, T, d] each), computed in the stream's dtype."""
         if self.buffered:
-            width = output.shape[-1]
-            # The subtraction writes straight into the buffer: no temporary, no copy.
-            torch.sub(output.reshape(-1, width), routed_input.reshape(-1, width), out=self._values[self._count])
-            self._push_buffered(present)
+            i = self._count
+            if self.native is None or not self.native.push_delta(i, output, routed_input):
+                width = output.shape[-1]
+                # The subtraction writes straight into the buffer: no temporary, no copy.
+                torch.sub(output.reshape(-1, width), routed_input.reshape(-1, width), out=self._values[i])
+                inverse_rms(self._values[i], self.eps, out=self._inv_rms[i])
+            self._mark_buffered(present)
         else:
             self._push_listed(output - routed_input, present)
 
-    def _push_buffered(self, present: Tensor | None) -> None:
-        i = self._count
-        inverse_rms(self._values[i], self.eps, out=self._inv_rms[i])
+    def _mark_buffered(self, present: Tensor | None) -> None:
         if present is not None:
-            self._present[i] = present.reshape(-1)
+            self._present[self._count] = present.reshape(-1)
         self._pushed(present)
 
     def _push_listed(self, source: Tensor, present: Tensor | None) -> None:
@@ -128,7 +137,7 @@ class SourceStack:
     def _pushed(self, present: Tensor | None) -> None:
         self._slots.append(self.num_slots)
         self._slot_index = None
-        self._any_absent = self._any_absent or present is not None
+        self.any_absent = self.any_absent or present is not None
         self._count += 1
 
     def source(self, i: int) -> Tensor:
@@ -144,7 +153,7 @@ class SourceStack:
     def present_mask(self, k: int | None = None) -> Tensor | None:
         """Bool [k, B, T] of which of the first k sources each token has; None when every token has all."""
         k = self._count if k is None else k
-        if not self._any_absent:
+        if not self.any_absent:
             return None
         if self.buffered:
             return self._present[:k].view(k, *self.shape[:-1])
@@ -165,7 +174,7 @@ class SourceStack:
 
     def flat_present(self) -> Tensor | None:
         """[K, tokens] bool presence, or None when every token has every source (buffered layout only)."""
-        return self._present[: self._count] if self._any_absent else None
+        return self._present[: self._count] if self.any_absent else None
 
 
 @lru_cache(maxsize=1024)

@@ -1,0 +1,162 @@
+"""Fused C routing kernels for decoding: the same function as the PyTorch path, and a safe fallback."""
+
+import pytest
+import torch
+
+from vlm_retrofit import RouterConfig, attach_routers
+from vlm_retrofit.routing import DepthRouter, SourceStack, native
+from vlm_retrofit.testing import tiny_inputs, tiny_vlm
+
+needs_compiler = pytest.mark.skipif(native.library() is None, reason="no C compiler: routing stays in PyTorch ops")
+
+
+@pytest.fixture
+def torch_routing(monkeypatch):
+    """Streams built inside use the PyTorch ops even where the fused kernels are available."""
+    monkeypatch.setattr(native, "usable", lambda first: False)
+
+
+def _router(sources: int, d: int = 16) -> DepthRouter:
+    router = DepthRouter(d, sources, source_bias=True)
+    with torch.no_grad():
+        router.query.normal_()
+        router.bias.normal_()
+        router.key_norm_weight.uniform_(0.5, 2.0)
+    return router
+
+
+def _stream(first, steps, capacity):
+    """A buffered stream: each step is ('delta', output, routed_input, present) or ('drop',)."""
+    stack = SourceStack(first, capacity, 1e-6)
+    for step in steps:
+        if step[0] == "drop":
+            stack.drop()
+        else:
+            stack.push_delta(*step[1:])
+    return stack
+
+
+@needs_compiler
+@pytest.mark.parametrize("batch,tokens", [(1, 1), (1, 3), (4, 1), (2, 5)])
+def test_fused_kernels_equal_the_pytorch_ops(batch, tokens, torch_routing, monkeypatch):
+    """Deltas, inverse RMS, routing weights and routed inputs, with absent tokens, a dropped source and bias."""
+    d, shape = 16, (batch, tokens, 16)
+    first = torch.randn(shape) * 50
+    absent = torch.rand(batch, tokens) < 0.5
+    steps = [("delta", torch.randn(shape) * 30, torch.randn(shape), None), ("drop",),
+             ("delta", torch.randn(shape), torch.randn(shape), ~absent),
+             ("delta", torch.randn(shape) * 1e3, torch.randn(shape), None)]
+    router = _router(6, d)
+    with torch.no_grad():
+        reference = _stream(first, steps, 6)
+        assert reference.buffered and reference.native is None
+        monkeypatch.undo()  # the fused kernels from here on
+        fused = _stream(first, steps, 6)
+        assert fused.native is not None
+        # The subtraction is the same single rounding; the RMS sums in another order.
+        assert torch.equal(fused.flat_values(), reference.flat_values())
+        torch.testing.assert_close(fused.flat_inv_rms(), reference.flat_inv_rms(), atol=0, rtol=1e-6)
+        for _ in range(2):  # two routers: each writes its own rows, the first result stays intact
+            expected, got = router(reference), router(fused)
+            torch.testing.assert_close(got[1], expected[1], atol=1e-6, rtol=1e-5)
+            torch.testing.assert_close(got[0], expected[0], atol=1e-4, rtol=1e-5)
+            assert got[0].shape == shape and got[0].dtype == torch.float32
+        first_result = router(fused)
+        fused.push_delta(torch.randn(shape), first_result[0])
+        second = router(fused)
+        assert second[0].data_ptr() != first_result[0].data_ptr()
+        torch.testing.assert_close(first_result[0], expected[0], atol=1e-4, rtol=1e-5)
+
+
+@needs_compiler
+def test_identity_routers_give_the_plain_residual_sum():
+    d, shape = 16, (1, 1, 16)
+    sources = [torch.randn(shape) for _ in range(5)]
+    with torch.no_grad():
+        stack = SourceStack(sources[0], 5, 1e-6)
+        for source in sources[1:]:
+            stack.push_delta(source, torch.zeros(shape))
+        assert stack.native is not None
+        mixed, alpha = DepthRouter(d, 5, source_bias=True)(stack)
+    torch.testing.assert_close(mixed, sum(sources), atol=1e-6, rtol=0)
+    torch.testing.assert_close(alpha, torch.full_like(alpha, 0.2))
+
+
+@needs_compiler
+def test_more_routers_than_rows_fall_back_to_pytorch_ops():
+    """The kernels write row r for the r-th router of a forward; an extra call must not write past the rows."""
+    shape = (1, 1, 16)
+    router = _router(3)
+    with torch.no_grad():
+        stack = SourceStack(torch.randn(shape), 3, 1e-6)
+        stack.push_delta(torch.randn(shape), torch.randn(shape))
+        results = [router(stack) for _ in range(5)]
+    assert stack.native.routers_run == 3
+    for mixed, alpha in results[1:]:
+        torch.testing.assert_close(mixed, results[0][0], atol=1e-5, rtol=1e-6)
+        torch.testing.assert_close(alpha, results[0][1], atol=1e-6, rtol=1e-6)
+
+
+def test_only_buffered_fp32_cpu_streams_use_the_kernels():
+    with torch.no_grad():
+        assert SourceStack(torch.randn(1, 1, 16, dtype=torch.bfloat16), 3, 1e-6).native is None
+        assert SourceStack(torch.randn(1, SourceStack.buffer_max_tokens + 1, 16), 3, 1e-6).native is None
+    assert SourceStack(torch.randn(1, 1, 16), 3, 1e-6).native is None  # autograd: the listed layout
+
+
+@pytest.fixture
+def fresh_build(monkeypatch, tmp_path):
+    """library() builds again, into an empty cache folder."""
+    monkeypatch.setattr(native, "_library", None)
+    monkeypatch.setattr(native, "_tried", False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    return tmp_path
+
+
+@needs_compiler
+def test_the_kernels_build_once_into_the_cache(fresh_build):
+    assert native.library() is not None
+    built = list((fresh_build / "vlm_retrofit").glob("routing-*.so"))
+    assert len(built) == 1 and not list(built[0].parent.glob("tmp*"))  # the temporary build folder is gone
+
+
+def test_a_failing_compiler_leaves_routing_in_pytorch_ops(fresh_build, monkeypatch, caplog):
+    monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
+    with caplog.at_level("INFO", logger=native.__name__):
+        assert native.library() is None
+    assert "stays in PyTorch ops" in caplog.text
+    with torch.no_grad():
+        stack = SourceStack(torch.randn(1, 1, 16), 3, 1e-6)
+        stack.push_delta(torch.randn(1, 1, 16), torch.randn(1, 1, 16))
+        assert stack.native is None
+        assert _router(3)(stack)[0].shape == (1, 1, 16)
+
+
+def test_the_switch_turns_the_kernels_off(fresh_build, monkeypatch):
+    monkeypatch.setenv(native.ENV_SWITCH, "0")
+    assert native.library() is None
+    assert not list(fresh_build.glob("**/*.so"))
+
+
+@needs_compiler
+def test_generation_with_trained_like_routers_matches_the_pytorch_path(monkeypatch):
+    """Greedy tokens equal and per-step logits within 1e-4, on a padded batch with images (decode is buffered)."""
+    model, processor = tiny_vlm("qwen2_vl")
+    adapter = attach_routers(model, RouterConfig(block_size=1, init_scale=0.5))
+    with torch.no_grad():
+        for router in adapter.routers.values():
+            if router.bias is not None:
+                router.bias.normal_()
+    inputs = tiny_inputs(processor, batch=2)
+
+    def generate():
+        with torch.no_grad():
+            return model.generate(**inputs, max_new_tokens=6, do_sample=False, output_scores=True,
+                                  return_dict_in_generate=True, pad_token_id=processor.tokenizer.pad_token_id)
+
+    fused = generate()
+    monkeypatch.setattr(native, "usable", lambda first: False)
+    reference = generate()
+    assert torch.equal(fused.sequences, reference.sequences)
+    for a, b in zip(fused.scores, reference.scores):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=0)

@@ -1,0 +1,203 @@
+"""Fused CPU kernels for decode-time routing: one C call per delta push and one per router (optional)."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+log = logging.getLogger(__name__)
+
+ENV_SWITCH = "VLM_RETROFIT_NATIVE_ROUTING"
+"""Set to 0 to keep decode-time routing in PyTorch ops (the fused kernels are used when they build)."""
+
+# Decoding one token runs a router in front of every block: about ten tiny PyTorch ops whose dispatch costs
+# far more than their arithmetic (K x d multiply-adds). Each function below does one whole step in a single
+# call, in fp32, with the same formulas as the PyTorch path (see SourceStack / DepthRouter._mix_buffered).
+# Sums run over the hidden dimension in eight interleaved lanes so the compiler can vectorise them
+# without -ffast-math (which would also break the -inf handling of absent sources).
+_SOURCE = r"""
+#include <math.h>
+#include <stdint.h>
+
+static float dot_lanes(const float* a, const float* b, int64_t n) {
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8)
+        for (int l = 0; l < 8; ++l) acc[l] += a[j + l] * b[j + l];
+    float total = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+    for (; j < n; ++j) total += a[j] * b[j];
+    return total;
+}
+
+typedef struct {
+    float* values;    /* [capacity, tokens, width]: the sources */
+    float* inv_rms;   /* [capacity, tokens]: their inverse RMS */
+    uint8_t* present; /* [capacity, tokens]: which tokens have each source */
+    float* routed;    /* [capacity, tokens, width]: row r = the r-th router's output */
+    float* alpha;     /* [capacity, capacity, tokens]: row r = the r-th router's weights, [k, tokens] used */
+    int64_t capacity, tokens, width;
+    float eps;
+} vr_stream;
+
+/* Source `slot` = output - routed_input ([tokens, width] each), and its inverse RMS. */
+void vr_push_delta(const vr_stream* s, int64_t slot, const float* output, const float* routed_input) {
+    for (int64_t t = 0; t < s->tokens; ++t) {
+        const float* o = output + t * s->width;
+        const float* r = routed_input + t * s->width;
+        float* d = s->values + (slot * s->tokens + t) * s->width;
+        for (int64_t j = 0; j < s->width; ++j) d[j] = o[j] - r[j];
+        s->inv_rms[slot * s->tokens + t] = 1.0f / sqrtf(dot_lanes(d, d, s->width) / (float)s->width + s->eps);
+    }
+}
+
+/* Router over the first k sources into row `row`: alpha = softmax over the present sources of
+   bias[slot_index[i] or i] + (values_i . scorer) * inv_rms_i (bias NULL: none; present consulted only when
+   any_absent), routed = count * sum_i alpha_i * values_i with count = sources present at the token. */
+void vr_route(const vr_stream* s, int64_t k, int64_t row, int any_absent, const float* scorer,
+              const float* bias, const int64_t* slot_index) {
+    const int64_t tokens = s->tokens, width = s->width;
+    float* alpha = s->alpha + row * s->capacity * tokens;
+    for (int64_t t = 0; t < tokens; ++t) {
+        float top = -INFINITY, count = 0.0f, total = 0.0f;
+        for (int64_t i = 0; i < k; ++i) {
+            float logit = -INFINITY;
+            if (!any_absent || s->present[i * tokens + t]) {
+                logit = dot_lanes(s->values + (i * tokens + t) * width, scorer, width) * s->inv_rms[i * tokens + t];
+                if (bias) logit += bias[slot_index ? slot_index[i] : i];
+                count += 1.0f;
+                if (logit > top) top = logit;
+            }
+            alpha[i * tokens + t] = logit;
+        }
+        for (int64_t i = 0; i < k; ++i) {
+            float weight = alpha[i * tokens + t] == -INFINITY ? 0.0f : expf(alpha[i * tokens + t] - top);
+            alpha[i * tokens + t] = weight;
+            total += weight;
+        }
+        float* m = s->routed + (row * tokens + t) * width;
+        for (int64_t j = 0; j < width; ++j) m[j] = 0.0f;
+        for (int64_t i = 0; i < k; ++i) {
+            float weight = alpha[i * tokens + t] / total;
+            alpha[i * tokens + t] = weight;
+            if (weight == 0.0f) continue;
+            float scaled = weight * count;
+            const float* v = s->values + (i * tokens + t) * width;
+            for (int64_t j = 0; j < width; ++j) m[j] += scaled * v[j];
+        }
+    }
+}
+"""
+
+_FLAGS = ["-O3", "-shared", "-fPIC", "-std=c99"]
+_lock = threading.Lock()
+_library: ctypes.CDLL | None = None
+_tried = False
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(root) / "vlm_retrofit"
+
+
+def _build() -> ctypes.CDLL:
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise RuntimeError("no C compiler found (set CC)")
+    digest = hashlib.sha256("\0".join([_SOURCE, compiler, *_FLAGS, sys.platform]).encode()).hexdigest()[:16]
+    target = _cache_dir() / f"routing-{digest}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as work:
+            source = Path(work) / "routing.c"
+            source.write_text(_SOURCE)
+            built = Path(work) / target.name
+            result = subprocess.run([compiler, *_FLAGS, str(source), "-o", str(built), "-lm"],
+                                    capture_output=True, text=True)
+            if result.returncode != 0:
+                raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[:500]}")
+            os.replace(built, target)  # atomic: concurrent builders never load a half-written file
+    library = ctypes.CDLL(str(target))
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    library.vr_push_delta.argtypes = [ptr, i64, ptr, ptr]
+    library.vr_push_delta.restype = None
+    library.vr_route.argtypes = [ptr, i64, i64, ctypes.c_int, ptr, ptr, ptr]
+    library.vr_route.restype = None
+    return library
+
+
+def library() -> ctypes.CDLL | None:
+    """The compiled kernels, built once per machine into ~/.cache/vlm_retrofit; None where they cannot be."""
+    global _library, _tried
+    if _tried:
+        return _library
+    with _lock:
+        if not _tried:
+            if os.environ.get(ENV_SWITCH, "1") != "0":
+                try:
+                    _library = _build()
+                except (OSError, RuntimeError) as error:
+                    log.info("decode-time routing stays in PyTorch ops: %s", error)
+            _tried = True
+    return _library
+
+
+def usable(first: Tensor) -> bool:
+    """Whether a buffered stream whose decoder input is `first` can route through the fused kernels."""
+    return first.device.type == "cpu" and first.dtype == torch.float32 and library() is not None
+
+
+class NativeStream:
+    """The buffers of one buffered fp32 CPU stream as the C kernels see them; each step is one foreign call.
+
+    Every router writes its own rows of `routed` and `alpha`, so its outputs stay valid for the whole forward
+    without a per-call allocation.
+    """
+
+    def __init__(self, values: Tensor, inv_rms: Tensor, present: Tensor, shape: torch.Size, eps: float) -> None:
+        capacity, tokens, width = values.shape
+        self.routed_rows = values.new_empty((capacity, *shape)).unbind(0)
+        self.alpha_rows = values.new_empty((capacity, capacity, *shape[:-1])).unbind(0)
+        self._struct = _Stream(values.data_ptr(), inv_rms.data_ptr(), present.data_ptr(),
+                               self.routed_rows[0].data_ptr(), self.alpha_rows[0].data_ptr(),
+                               capacity, tokens, width, eps)
+        self._address = ctypes.addressof(self._struct)
+        self._keep = (values, inv_rms, present)  # the struct points into these
+        self._push = _library.vr_push_delta
+        self._route = _library.vr_route
+        self.routers_run = 0
+
+    def push_delta(self, slot: int, output: Tensor, routed_input: Tensor) -> bool:
+        """Source `slot` = output - routed_input; False (nothing written) unless both are contiguous fp32."""
+        if output.dtype is not torch.float32 or not (output.is_contiguous() and routed_input.is_contiguous()):
+            return False
+        self._push(self._address, slot, output.data_ptr(), routed_input.data_ptr())
+        return True
+
+    def route(self, k: int, any_absent: bool, scorer: Tensor, bias: Tensor | None,
+              slot_index: Tensor | None) -> tuple[Tensor, Tensor] | None:
+        """Mix the first k sources: (routed [B, T, d], alpha [k, B, T]); None unless the parameters are fp32."""
+        row = self.routers_run
+        if (row == len(self.routed_rows) or scorer.dtype is not torch.float32
+                or (bias is not None and bias.dtype is not torch.float32)):
+            return None  # more routers than rows (a hook re-run) or non-fp32 parameters: the PyTorch path
+        self.routers_run = row + 1
+        self._route(self._address, k, row, any_absent, scorer.data_ptr(),
+                    None if bias is None else bias.data_ptr(), None if slot_index is None else slot_index.data_ptr())
+        return self.routed_rows[row], self.alpha_rows[row][:k]
+
+
+class _Stream(ctypes.Structure):
+    _fields_ = [("values", ctypes.c_void_p), ("inv_rms", ctypes.c_void_p), ("present", ctypes.c_void_p),
+                ("routed", ctypes.c_void_p), ("alpha", ctypes.c_void_p), ("capacity", ctypes.c_int64),
+                ("tokens", ctypes.c_int64), ("width", ctypes.c_int64), ("eps", ctypes.c_float)]
