@@ -120,6 +120,48 @@ def test_the_kernels_build_once_into_the_cache(fresh_build):
     assert len(built) == 1 and not list(built[0].parent.glob("tmp*"))  # the temporary build folder is gone
 
 
+@needs_compiler
+def test_a_damaged_cached_library_is_built_again(fresh_build, monkeypatch):
+    assert native.library() is not None
+    (built,) = (fresh_build / "vlm_retrofit").glob("routing-*.so")
+    # The same file name in another cache folder, damaged (never overwrite a loaded library in place).
+    other = fresh_build / "other"
+    damaged = other / "vlm_retrofit" / built.name
+    damaged.parent.mkdir(parents=True)
+    damaged.write_bytes(b"not a shared library")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(other))
+    monkeypatch.setattr(native, "_library", None)
+    monkeypatch.setattr(native, "_tried", False)
+    assert native.library() is not None
+    assert damaged.read_bytes() != b"not a shared library"  # replaced by a fresh build
+
+
+def test_a_cache_folder_others_can_write_to_is_not_loaded_from(fresh_build):
+    folder = fresh_build / "vlm_retrofit"
+    folder.mkdir()
+    folder.chmod(0o777)
+    assert native.library() is None
+    assert not list(folder.glob("*.so"))
+
+
+@needs_compiler
+def test_unusual_inputs_fall_back_to_pytorch_ops():
+    """A non-contiguous layer output, or a broadcastable one, is pushed by PyTorch ops (which check it)."""
+    d = 16
+    with torch.no_grad():
+        output = torch.randn(1, d, 2)[..., 0].unsqueeze(0)  # [1, 1, d], not contiguous
+        routed = torch.randn(1, 1, d)
+        stack = SourceStack(torch.randn(1, 1, d), 3, 1e-6)
+        assert not output.is_contiguous() and not stack.native.push_delta(1, output, routed)
+        stack.push_delta(output, routed)
+        torch.testing.assert_close(stack.source(1), output - routed)
+        stack = SourceStack(torch.randn(2, 1, d), 3, 1e-6)
+        assert not stack.native.push_delta(1, torch.randn(1, 1, d), torch.randn(2, 1, d))  # would broadcast
+        assert not stack.native.push_delta(5, torch.randn(2, 1, d), torch.randn(2, 1, d))  # no such slot
+        short_bias = DepthRouter(d, 1, source_bias=True)  # fewer biases than sources written
+        assert stack.native.route(1, 2, False, torch.zeros(d), short_bias.bias.detach(), None) is None
+
+
 def test_a_failing_compiler_leaves_routing_in_pytorch_ops(fresh_build, monkeypatch, caplog):
     monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
     with caplog.at_level("INFO", logger=native.__name__):

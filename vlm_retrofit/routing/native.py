@@ -6,7 +6,10 @@ import ctypes
 import hashlib
 import logging
 import os
+import platform
+import shlex
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -110,23 +113,50 @@ def _cache_dir() -> Path:
     return Path(root) / "vlm_retrofit"
 
 
+def _private_folder(folder: Path) -> None:
+    # The library is loaded from here: a folder others can write to could hand us their code.
+    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    info = folder.stat()
+    if hasattr(os, "getuid") and (info.st_uid != os.getuid() or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)):
+        raise RuntimeError(f"{folder} is not private to this user (owner or group/other write access)")
+
+
+def _compile(compiler: list[str], target: Path) -> None:
+    with tempfile.TemporaryDirectory(dir=target.parent) as work:
+        source = Path(work) / "routing.c"
+        source.write_text(_SOURCE)
+        built = Path(work) / target.name
+        try:
+            result = subprocess.run([*compiler, *_FLAGS, str(source), "-o", str(built), "-lm"],
+                                    capture_output=True, text=True, timeout=120)
+        except subprocess.SubprocessError as error:
+            raise RuntimeError(f"{' '.join(compiler)} failed: {error}") from error
+        if result.returncode != 0:
+            raise RuntimeError(f"{' '.join(compiler)} failed: {result.stderr.strip()[:500]}")
+        os.replace(built, target)  # atomic: concurrent builders never load a half-written file
+
+
 def _build() -> ctypes.CDLL:
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
+    compiler = shlex.split(os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or "")
+    if not compiler:
         raise RuntimeError("no C compiler found (set CC)")
-    digest = hashlib.sha256("\0".join([_SOURCE, compiler, *_FLAGS, sys.platform]).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"routing-{digest}.so"
+    key = [_SOURCE, *compiler, *_FLAGS, sys.platform, platform.machine()]  # a shared home may serve other machines
+    digest = hashlib.sha256("\0".join(key).encode()).hexdigest()[:16]
+    folder = _cache_dir()
+    _private_folder(folder)
+    target = folder / f"routing-{digest}.so"
     if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as work:
-            source = Path(work) / "routing.c"
-            source.write_text(_SOURCE)
-            built = Path(work) / target.name
-            result = subprocess.run([compiler, *_FLAGS, str(source), "-o", str(built), "-lm"],
-                                    capture_output=True, text=True)
-            if result.returncode != 0:
-                raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[:500]}")
-            os.replace(built, target)  # atomic: concurrent builders never load a half-written file
+        _compile(compiler, target)
+    try:
+        library = _load(target)
+    except (OSError, AttributeError):  # a damaged cached file: build it again, once
+        target.unlink(missing_ok=True)
+        _compile(compiler, target)
+        library = _load(target)
+    return library
+
+
+def _load(target: Path) -> ctypes.CDLL:
     library = ctypes.CDLL(str(target))
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     library.vr_push_delta.argtypes = [ptr, i64, ptr, ptr]
@@ -146,7 +176,7 @@ def library() -> ctypes.CDLL | None:
             if os.environ.get(ENV_SWITCH, "1") != "0":
                 try:
                     _library = _build()
-                except (OSError, RuntimeError) as error:
+                except (OSError, RuntimeError, AttributeError) as error:
                     log.info("decode-time routing stays in PyTorch ops: %s", error)
             _tried = True
     return _library
@@ -173,28 +203,39 @@ class NativeStream:
                                capacity, tokens, width, eps)
         self._address = ctypes.addressof(self._struct)
         self._keep = (values, inv_rms, present)  # the struct points into these
+        self._size = tokens * width
         self._push = _library.vr_push_delta
         self._route = _library.vr_route
         self.routers_run = 0
 
     def push_delta(self, slot: int, output: Tensor, routed_input: Tensor) -> bool:
-        """Source `slot` = output - routed_input; False (nothing written) unless both are contiguous fp32."""
-        if output.dtype is not torch.float32 or not (output.is_contiguous() and routed_input.is_contiguous()):
+        """Source `slot` = output - routed_input; False (nothing written) unless both are contiguous fp32 CPU
+        tensors of the stream's size and the slot exists: the caller then uses PyTorch ops (which raise on misuse)."""
+        if not (slot < self._struct.capacity and _is_plain(output, self._size) and _is_plain(routed_input, self._size)):
             return False
         self._push(self._address, slot, output.data_ptr(), routed_input.data_ptr())
         return True
 
-    def route(self, k: int, any_absent: bool, scorer: Tensor, bias: Tensor | None,
+    def route(self, k: int, num_slots: int, any_absent: bool, scorer: Tensor, bias: Tensor | None,
               slot_index: Tensor | None) -> tuple[Tensor, Tensor] | None:
-        """Mix the first k sources: (routed [B, T, d], alpha [k, B, T]); None unless the parameters are fp32."""
-        row = self.routers_run
-        if (row == len(self.routed_rows) or scorer.dtype is not torch.float32
-                or (bias is not None and bias.dtype is not torch.float32)):
-            return None  # more routers than rows (a hook re-run) or non-fp32 parameters: the PyTorch path
+        """Mix the first k stored sources (of `num_slots` written, dropped ones included; `slot_index` maps them):
+        (routed [B, T, d], alpha [k, B, T]). None unless the parameters are contiguous fp32 CPU tensors of the
+        right sizes: the caller then uses PyTorch ops."""
+        row, capacity = self.routers_run, self._struct.capacity
+        if (row == capacity or num_slots > capacity or not _is_plain(scorer, self._struct.width)
+                or (bias is not None and not _is_plain(bias, num_slots, at_least=True))):
+            return None  # more routers than rows (a hook re-run) or unusual parameters: the PyTorch path
         self.routers_run = row + 1
         self._route(self._address, k, row, any_absent, scorer.data_ptr(),
                     None if bias is None else bias.data_ptr(), None if slot_index is None else slot_index.data_ptr())
         return self.routed_rows[row], self.alpha_rows[row][:k]
+
+
+def _is_plain(tensor: Tensor, size: int, *, at_least: bool = False) -> bool:
+    """A contiguous fp32 CPU tensor of `size` elements (or more): what the kernels may read as a float array."""
+    numel = tensor.numel()
+    return (tensor.dtype is torch.float32 and tensor.is_cpu and tensor.is_contiguous()
+            and (numel >= size if at_least else numel == size))
 
 
 class _Stream(ctypes.Structure):

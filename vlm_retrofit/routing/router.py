@@ -15,7 +15,8 @@ def inverse_rms(x: Tensor, eps: float, *, out: Tensor | None = None) -> Tensor:
     """1 / RMS over the hidden dimension, in fp32, without that dimension; written into `out` when given.
 
     Both forms do the same arithmetic, so a token's key is bitwise the same in either stream layout (the
-    random skip policy hashes it).
+    random skip policy hashes key(0), which is always pushed through here; the fused kernels of
+    `routing.native` sum the RMS of later deltas in another order).
     """
     squares = x.float().pow(2)
     if out is None:
@@ -102,7 +103,7 @@ class DepthRouter(nn.Module):
         # product.
         if stack.native is not None:  # one fused C call (routing.native) where the parameters allow
             bias = self._parameters["bias"]
-            fused = stack.native.route(k, stack.any_absent, self._inference_scorer(), bias,
+            fused = stack.native.route(k, stack.num_slots, stack.any_absent, self._inference_scorer(), bias,
                                        None if bias is None else stack.slot_index())
             if fused is not None:
                 return fused
