@@ -34,6 +34,7 @@ def _recipe(info: dict[str, Any]) -> str:
 
 def write_report(results: dict[str, Any], out_dir: Path) -> None:
     """results.json, RESULTS.md (tables) and pareto.png (compute saved vs quality, one curve per method)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "results.json").write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
     import matplotlib
 

@@ -210,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
                              "measured in this run")
     parser.add_argument("--out", default=str(ROOT), help="where RESULTS.md, results.json and pareto.png go")
     args = parser.parse_args(argv)
+    Path(args.out).mkdir(parents=True, exist_ok=True)  # before the hours of work whose report goes there
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     torch.manual_seed(0)

@@ -110,15 +110,16 @@ def test_report_writes_json_markdown_and_plot(tmp_path):
                                       "fit_seconds": 48.0,
                                       "query_lr_scale": 0.04, "train_routers": False}},
                "records": [record]}
-    write_report(results, tmp_path)
-    assert json.loads((tmp_path / "results.json").read_text())["records"] == [record]
-    table = (tmp_path / "RESULTS.md").read_text()
+    out = tmp_path / "new" / "folder"  # a folder that does not exist yet is created, not a lost report
+    write_report(results, out)
+    assert json.loads((out / "results.json").read_text())["records"] == [record]
+    table = (out / "RESULTS.md").read_text()
     assert "| static-greedy-impact | 0.20 | 0.190 |" in table and "router overhead" in table
     assert "4.0%, i.e. overhead 1.042" in table
     assert "lr 0.002, queries at 0.04x lr, removal schedule k = 6..9" in table
     assert "lr 0.002 (cosine to 0.1x over 3 steps), routers off (identity, untrained): LoRA only" in table
     assert "`plain`: 3 steps in 0.8 of 1 min" in table and "`routed`: 3 steps in 1.0 min" in table
-    assert (tmp_path / "pareto.png").stat().st_size > 0
+    assert (out / "pareto.png").stat().st_size > 0
 
 
 def test_train_steps_override_only_the_fixed_step_variants():
