@@ -104,25 +104,28 @@ class SourceStack:
     def push(self, source: Tensor, present: Tensor | None = None) -> None:
         """Append a source [B, T, d]; `present` is a bool [B, T] mask of the tokens that have it (None = all)."""
         if self.buffered:
-            i = self._count
-            self._values[i] = source.reshape(-1, source.shape[-1])
-            inverse_rms(self._values[i], self.eps, out=self._inv_rms[i])
-            self._mark_buffered(present)
+            self._values[self._count] = source.reshape(-1, source.shape[-1])
+            self._push_buffered(present)
         else:
             self._push_listed(source, present)
 
     def push_delta(self, output: Tensor, routed_input: Tensor, present: Tensor | None = None) -> None:
         """Append a block's delta, `output - routed_input` ([B, T, d] each), computed in the stream's dtype."""
         if self.buffered:
-            i = self._count
-            if self.native is None or not self.native.push_delta(i, output, routed_input):
-                width = output.shape[-1]
-                # The subtraction writes straight into the buffer: no temporary, no copy.
-                torch.sub(output.reshape(-1, width), routed_input.reshape(-1, width), out=self._values[i])
-                inverse_rms(self._values[i], self.eps, out=self._inv_rms[i])
-            self._mark_buffered(present)
+            if self.native is not None and self.native.push_delta(self._count, output, routed_input):
+                self._mark_buffered(present)  # the kernel wrote the delta and its inverse RMS
+                return
+            width = output.shape[-1]
+            # The subtraction writes straight into the buffer: no temporary, no copy.
+            torch.sub(output.reshape(-1, width), routed_input.reshape(-1, width), out=self._values[self._count])
+            self._push_buffered(present)
         else:
             self._push_listed(output - routed_input, present)
+
+    def _push_buffered(self, present: Tensor | None) -> None:
+        i = self._count
+        inverse_rms(self._values[i], self.eps, out=self._inv_rms[i])
+        self._mark_buffered(present)
 
     def _mark_buffered(self, present: Tensor | None) -> None:
         if present is not None:
