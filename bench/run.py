@@ -50,6 +50,8 @@ ROUTED = {**TEXT_KL, "use_gates": False, "max_drop_rate": 0.0, "lr": 2e-3}
 LORA_QVO = {"r": 8, "lora_alpha": 16, "target_modules": r".*language_model.*\.(q_proj|v_proj|o_proj)"}
 LORA_ALL = {"r": 16, "lora_alpha": 32,
             "target_modules": r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"}
+# Learned per-token gates pulled to a compute target.
+GATES = {**TEXT_KL, "use_gates": True, "max_drop_rate": 0.1, "compute_target": 0.7, "compute_weight": 5.0}
 VARIANTS = {
     # Routers trained under a removal schedule (a random prefix of the removal order skipped by every token),
     # evaluated with the static policy removing a prefix of that same order: the routers re-weight around the gap.
@@ -82,17 +84,15 @@ VARIANTS = {
                                     joint_order=True, steps=240),
     # Per-token policies: learned gates pulled to a compute target, and the ReSkip recent-weight rule under a
     # drop-rate curriculum; same query lr and KL positions as the routed variants.
-    "gate": Variant("gate", "gate", {"block_size": 1, "skip_gate": True},
-                    {**TEXT_KL, "use_gates": True, "max_drop_rate": 0.1, "compute_target": 0.7, "compute_weight": 5.0}),
+    "gate": Variant("gate", "gate", {"block_size": 1, "skip_gate": True}, GATES),
     # The same gates in front of blocks of 3 layers: 10 routers instead of 30, so routing costs ~1.5 % of a routed
     # decode instead of ~4 %, but a token skips 3 layers at a time.
-    "gate_b3": Variant("gate_b3", "gate", {"block_size": 3, "skip_gate": True},
-                       {**TEXT_KL, "use_gates": True, "max_drop_rate": 0.1, "compute_target": 0.7, "compute_weight": 5.0}),
+    "gate_b3": Variant("gate_b3", "gate", {"block_size": 3, "skip_gate": True}, GATES),
     "recent_weight": Variant("recent_weight", "recent_weight", {"block_size": 1},
                              {**TEXT_KL, "use_gates": False, "max_drop_rate": 0.3, "drop_warmup_steps": 50}),
     "gate_lora": Variant("gate_lora", "gate", {"block_size": 1, "skip_gate": True},
-                         {**TEXT_KL, "use_gates": True, "max_drop_rate": 0.1, "compute_target": 0.7, "compute_weight": 5.0,
-                          "lora": {"r": 8, "lora_alpha": 16, "target_modules": r".*language_model.*\.(q_proj|v_proj)"}}),
+                         {**GATES, "lora": {"r": 8, "lora_alpha": 16,
+                                            "target_modules": r".*language_model.*\.(q_proj|v_proj)"}}),
 }
 
 

@@ -97,16 +97,16 @@ class DepthRouter(nn.Module):
         return cached[1]
 
     def _mix_buffered(self, stack: "SourceStack", k: int) -> tuple[Tensor, Tensor]:
-        # Decoding runs this once per block per token on a few tokens, so Python work costs as much as the
-        # arithmetic: a handful of kernels whatever K is, each reading the buffer at most once, few helper calls.
-        # q . (v * r) == (q . v) * r scores without a normalised copy, and the K multiplier rides on the mixing
-        # product.
         if stack.native is not None:  # one fused C call (routing.native) where the parameters allow
             bias = self._parameters["bias"]
             fused = stack.native.route(k, stack.num_slots, stack.any_absent, self._inference_scorer(), bias,
                                        None if bias is None else stack.slot_index())
             if fused is not None:
                 return fused
+        # Decoding runs this once per block per token on a few tokens, so Python work costs as much as the
+        # arithmetic: a handful of kernels whatever K is, each reading the buffer at most once, few helper calls.
+        # q . (v * r) == (q . v) * r scores without a normalised copy, and the K multiplier rides on the mixing
+        # product.
         values = stack.flat_values()  # [K, tokens, d], contiguous
         tokens = values.shape[1]
         flat = values.view(k * tokens, values.shape[2])
