@@ -105,23 +105,30 @@ def timed_routing(adapter) -> Iterator[list[float]]:
 
     Host time: on CUDA the kernels run asynchronously, so there it counts the launches only.
     """
-    spent = [0.0]
+    spent, depth = [0.0], [0]
 
     def timed(step: Callable[..., Any]) -> Callable[..., Any]:
         def run(*args: Any) -> Any:
+            if depth[0]:  # inside another timed step (the fused step falling back to the two apart)
+                return step(*args)
+            depth[0] += 1
             start = time.perf_counter()
             try:
                 return step(*args)
             finally:
                 spent[0] += time.perf_counter() - start
+                depth[0] -= 1
         return run
 
-    # Instance attributes shadow the two methods every router hook calls.
-    adapter._record_delta, adapter._mix = timed(adapter._record_delta), timed(adapter._mix)
+    # Instance attributes shadow the methods the router hooks call: the fused push-and-mix, or the two apart.
+    steps = ("_push_and_mix", "_record_delta", "_mix")
+    for name in steps:
+        setattr(adapter, name, timed(getattr(adapter, name)))
     try:
         yield spent
     finally:
-        del adapter._record_delta, adapter._mix
+        for name in steps:
+            delattr(adapter, name)
 
 
 @torch.no_grad()

@@ -69,6 +69,67 @@ def test_fused_kernels_equal_the_pytorch_ops(batch, tokens, torch_routing, monke
 
 
 @needs_compiler
+@pytest.mark.parametrize("absent_earlier", [False, True])
+def test_one_call_push_and_mix_equals_the_two_steps(absent_earlier):
+    """A layer hook's push and router in one call: bitwise the push then the router, rows kept apart."""
+    d, shape = 16, (2, 3, 16)
+    first, output, routed = torch.randn(shape) * 20, torch.randn(shape) * 5, torch.randn(shape)
+    earlier = [("delta", torch.randn(shape), torch.randn(shape), torch.rand(2, 3) < 0.5 if absent_earlier else None)]
+    router = _router(4, d)
+    with torch.no_grad():
+        apart, together = _stream(first, earlier, 4), _stream(first, earlier, 4)
+        before = router(together)  # an earlier router's rows must stay intact
+        saved = before[0].clone()
+        router(apart)
+        apart.push_delta(output, routed)
+        expected = router(apart)
+        got = router.push_and_mix(together, output, routed)
+    assert got is not None and len(together) == len(apart) == 3 and together.any_absent == absent_earlier
+    assert torch.equal(together.flat_values(), apart.flat_values())
+    assert torch.equal(together.flat_inv_rms(), apart.flat_inv_rms())
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+    assert torch.equal(before[0], saved)
+
+
+@needs_compiler
+def test_one_call_push_and_mix_declines_where_it_does_not_apply():
+    """After a dropped source (slots no longer match positions), or with unusual inputs: nothing is pushed."""
+    shape = (1, 1, 16)
+    router = _router(4)
+    with torch.no_grad():
+        dropped = _stream(torch.randn(shape), [("drop",)], 4)
+        assert router.push_and_mix(dropped, torch.randn(shape), torch.randn(shape)) is None and len(dropped) == 1
+        plain = _stream(torch.randn(shape), [], 4)
+        strided = torch.randn(1, 16, 2)[..., 0].unsqueeze(0)  # not contiguous
+        assert router.push_and_mix(plain, strided, torch.randn(shape)) is None and len(plain) == 1
+        assert plain.native.routers_run == 0
+
+
+@needs_compiler
+def test_decoding_steps_route_in_one_call_per_layer(monkeypatch):
+    """Skipping off, every buffered forward's layer hooks and final norm hook take the one-call path."""
+    model, tokenizer = tiny_vlm("llama", num_hidden_layers=4)
+    adapter = attach_routers(model, RouterConfig(block_size=1))
+    calls = []
+    original = native.NativeStream.push_route
+
+    def counted(self, *args):
+        result = original(self, *args)
+        calls.append(result is not None)
+        return result
+
+    monkeypatch.setattr(native.NativeStream, "push_route", counted)
+    inputs = tiny_inputs(tokenizer, batch=1)
+    with torch.no_grad():
+        model.generate(**inputs, max_new_tokens=3, min_new_tokens=3, do_sample=False,
+                       pad_token_id=tokenizer.pad_token_id)
+    assert len(adapter.routers) == 4  # routers in front of layers 1-3 and the final norm
+    # Each forward runs all 4 (this short prompt's prefill is buffered too: at most 64 tokens)
+    assert inputs["input_ids"].numel() <= SourceStack.buffer_max_tokens
+    assert calls == [True] * 4 * 3
+
+
+@needs_compiler
 def test_identity_routers_give_the_plain_residual_sum():
     d, shape = 16, (1, 1, 16)
     sources = [torch.randn(shape) for _ in range(5)]

@@ -164,14 +164,15 @@ class RouterAdapter(nn.Module):
                     controller.begin_forward(self._state)
                     controller.decide(0, self._state)
                 return None
+            if controller is None:
+                return _with_hidden(args, kwargs, self._push_and_mix(block - 1, hidden, str(block)))
             self._record_delta(block - 1, hidden)
-            if controller is not None and controller.bypasses(block):
+            if controller.bypasses(block):
                 # Every token skips this block and it writes no cache: nothing would read its routed input.
                 controller.decide(block, self._state)
                 return None
             routed = self._mix(str(block))
-            if controller is not None:
-                controller.decide(block, self._state)
+            controller.decide(block, self._state)
             return _with_hidden(args, kwargs, routed)
 
         return hook
@@ -191,8 +192,8 @@ class RouterAdapter(nn.Module):
     def _final_hook(self, module: nn.Module, args: tuple, kwargs: dict):
         if not self._enabled:
             return None
-        self._record_delta(self.layout.num_blocks - 1, _hidden_from(args, kwargs))
-        return _with_hidden(args, kwargs, self._mix(FINAL))
+        hidden = _hidden_from(args, kwargs)
+        return _with_hidden(args, kwargs, self._push_and_mix(self.layout.num_blocks - 1, hidden, FINAL))
 
     def _record_delta(self, block: int, hidden: Tensor) -> None:
         """Push the delta of `block` (its output `hidden` minus its routed input), absent where it was skipped."""
@@ -204,6 +205,18 @@ class RouterAdapter(nn.Module):
             state.stack.drop()
         else:
             state.stack.push_delta(hidden, state.routed_input, present)
+
+    def _push_and_mix(self, block: int, hidden: Tensor, key: str) -> Tensor:
+        """`_record_delta(block, hidden)`, then `_mix(key)`: one fused call where every token ran the block (no
+        skip controller) on a buffered fp32 CPU stream, a decoding step's case."""
+        state = self._state
+        if self._controller is None and state.stack.native is not None and state.routed_input is not None:
+            fused = self.routers[key].push_and_mix(state.stack, hidden, state.routed_input)
+            if fused is not None:
+                state.routed_input, state.alphas[key] = fused
+                return fused[0]
+        self._record_delta(block, hidden)
+        return self._mix(key)
 
     def _mix(self, key: str) -> Tensor:
         """Mix every source on the stream with router `key`: the input of the next block (or the final norm)."""

@@ -100,6 +100,14 @@ void vr_route(const vr_stream* s, int64_t k, int64_t row, int any_absent, const 
         }
     }
 }
+
+/* A block's delta into source `slot`, then the router over the first slot + 1 sources into row `row`:
+   one call for the two steps a decoder layer's hook runs when no source was ever dropped. */
+void vr_push_route(const vr_stream* s, int64_t slot, const float* output, const float* routed_input, int64_t row,
+                   int any_absent, const float* scorer, const float* bias) {
+    vr_push_delta(s, slot, output, routed_input);
+    vr_route(s, slot + 1, row, any_absent, scorer, bias, 0);
+}
 """
 
 _FLAGS = ["-O3", "-shared", "-fPIC", "-std=c99"]
@@ -163,6 +171,8 @@ def _load(target: Path) -> ctypes.CDLL:
     library.vr_push_delta.restype = None
     library.vr_route.argtypes = [ptr, i64, i64, ctypes.c_int, ptr, ptr, ptr]
     library.vr_route.restype = None
+    library.vr_push_route.argtypes = [ptr, i64, ptr, ptr, i64, ctypes.c_int, ptr, ptr]
+    library.vr_push_route.restype = None
     return library
 
 
@@ -206,12 +216,13 @@ class NativeStream:
         self._size = tokens * width
         self._push = _library.vr_push_delta
         self._route = _library.vr_route
+        self._push_route = _library.vr_push_route
         self.routers_run = 0
 
     def push_delta(self, slot: int, output: Tensor, routed_input: Tensor) -> bool:
         """Source `slot` = output - routed_input; False (nothing written) unless both are contiguous fp32 CPU
         tensors of the stream's size and the slot exists: the caller then uses PyTorch ops (which raise on misuse)."""
-        if not (slot < self._struct.capacity and _is_plain(output, self._size) and _is_plain(routed_input, self._size)):
+        if not self._can_push(slot, output, routed_input):
             return False
         self._push(self._address, slot, output.data_ptr(), routed_input.data_ptr())
         return True
@@ -221,14 +232,34 @@ class NativeStream:
         """Mix the first k stored sources (of `num_slots` written, dropped ones included; `slot_index` maps them):
         (routed [B, T, d], alpha [k, B, T]). None unless the parameters are contiguous fp32 CPU tensors of the
         right sizes: the caller then uses PyTorch ops."""
-        row, capacity = self.routers_run, self._struct.capacity
-        if (row == capacity or num_slots > capacity or not _is_plain(scorer, self._struct.width)
-                or (bias is not None and not _is_plain(bias, num_slots, at_least=True))):
+        row = self.routers_run
+        if not self._can_route(row, num_slots, scorer, bias):
             return None  # more routers than rows (a hook re-run) or unusual parameters: the PyTorch path
         self.routers_run = row + 1
         self._route(self._address, k, row, any_absent, scorer.data_ptr(),
                     None if bias is None else bias.data_ptr(), None if slot_index is None else slot_index.data_ptr())
         return self.routed_rows[row], self.alpha_rows[row][:k]
+
+    def push_route(self, slot: int, output: Tensor, routed_input: Tensor, any_absent: bool, scorer: Tensor,
+                   bias: Tensor | None) -> tuple[Tensor, Tensor] | None:
+        """`push_delta` into `slot`, then `route` over sources 0..slot (none dropped, so slot i is source i), in
+        one call. None (nothing written) where either step would refuse its inputs: the caller then runs both."""
+        row, k = self.routers_run, slot + 1
+        if not (self._can_push(slot, output, routed_input) and self._can_route(row, k, scorer, bias)):
+            return None
+        self.routers_run = row + 1
+        self._push_route(self._address, slot, output.data_ptr(), routed_input.data_ptr(), row, any_absent,
+                         scorer.data_ptr(), None if bias is None else bias.data_ptr())
+        return self.routed_rows[row], self.alpha_rows[row][:k]
+
+    # The checks run in Python before any foreign call: a wrong size or layout would be read past in C.
+    def _can_push(self, slot: int, output: Tensor, routed_input: Tensor) -> bool:
+        return slot < self._struct.capacity and _is_plain(output, self._size) and _is_plain(routed_input, self._size)
+
+    def _can_route(self, row: int, num_slots: int, scorer: Tensor, bias: Tensor | None) -> bool:
+        capacity = self._struct.capacity
+        return (row < capacity and num_slots <= capacity and _is_plain(scorer, self._struct.width)
+                and (bias is None or _is_plain(bias, num_slots, at_least=True)))
 
 
 def _is_plain(tensor: Tensor, size: int, *, at_least: bool = False) -> bool:

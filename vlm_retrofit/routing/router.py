@@ -96,6 +96,13 @@ class DepthRouter(nn.Module):
             self.__dict__["_scorer_cache"] = cached
         return cached[1]
 
+    def push_and_mix(self, stack: "SourceStack", output: Tensor,
+                     routed_input: Tensor) -> tuple[Tensor, Tensor] | None:
+        """Push a block's delta (`output - routed_input`, every token has it) onto `stack` and mix, in one fused
+        call on buffered fp32 CPU streams; None, with nothing pushed, elsewhere: then `stack.push_delta` and call
+        the router. Without autograd only (buffered streams are)."""
+        return stack.push_delta_and_route(output, routed_input, self._inference_scorer(), self._parameters["bias"])
+
     def _mix_buffered(self, stack: "SourceStack", k: int) -> tuple[Tensor, Tensor]:
         if stack.native is not None:  # one fused C call (routing.native) where the parameters allow
             bias = self._parameters["bias"]

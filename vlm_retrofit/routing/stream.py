@@ -122,6 +122,20 @@ class SourceStack:
         else:
             self._push_listed(output - routed_input, present)
 
+    def push_delta_and_route(self, output: Tensor, routed_input: Tensor, scorer: Tensor,
+                             bias: Tensor | None) -> tuple[Tensor, Tensor] | None:
+        """`push_delta` of a delta every token has, then a router (`scorer` = query * key-norm gain, `bias` over
+        slots) over all sources, in one fused call (`routing.native`): (routed [B, T, d], alpha [K, B, T]).
+
+        None, with nothing pushed, where that call does not apply (no fused kernels, a dropped source, unusual
+        inputs): then push and route apart."""
+        if self.native is None or self._dropped:
+            return None
+        fused = self.native.push_route(self._count, output, routed_input, self.any_absent, scorer, bias)
+        if fused is not None:
+            self._pushed(None)
+        return fused
+
     def _push_buffered(self, present: Tensor | None) -> None:
         i = self._count
         inverse_rms(self._values[i], self.eps, out=self._inv_rms[i])
