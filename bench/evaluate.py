@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import statistics
 import time
 from typing import Any, Callable, ContextManager, Iterable, Iterator
 
@@ -88,15 +89,29 @@ def _timed_generate(model, inputs: dict[str, Any], pad_token_id: int, new_tokens
     return time.perf_counter() - start
 
 
+def paired_speed_ratios(model, inputs: dict[str, Any], method: Method, base_method: Method, pad_token_id: int, *,
+                        rounds: int = 4, new_tokens: int = 32) -> list[float]:
+    """One decode-speed ratio (tokens/s under `method` ÷ under `base_method`) per round, each from two adjacent
+    generate calls in ABBA order: the base first in even rounds, `method` first in odd ones, so that a machine
+    speeding up or slowing down during the measurement favours neither side."""
+    ratios = []
+    for round_ in range(rounds):
+        order = (base_method, method) if round_ % 2 == 0 else (method, base_method)
+        seconds = []
+        for run in order:
+            with run():
+                seconds.append(_timed_generate(model, inputs, pad_token_id, new_tokens))
+        base_seconds, method_seconds = seconds if round_ % 2 == 0 else seconds[::-1]
+        ratios.append(base_seconds / method_seconds)
+    return ratios
+
+
 def speed_ratio(model, inputs: dict[str, Any], method: Method, base_method: Method, pad_token_id: int, *,
-                rounds: int = 2, new_tokens: int = 32) -> float:
-    """Decode tokens/s under `method` ÷ under `base_method`, alternating the two, best of `rounds` each
-    (machines are noisy: side by side in one call is the only comparison that holds)."""
-    base = other = 0.0
-    for _ in range(rounds):
-        base = max(base, decode_speed(model, inputs, base_method, pad_token_id, new_tokens, repeats=1))
-        other = max(other, decode_speed(model, inputs, method, pad_token_id, new_tokens, repeats=1))
-    return other / base
+                rounds: int = 4, new_tokens: int = 32) -> float:
+    """The median of `paired_speed_ratios` (machines are noisy: side by side in one call is the only comparison
+    that holds, and the median of paired rounds ignores one disturbed round)."""
+    return statistics.median(paired_speed_ratios(model, inputs, method, base_method, pad_token_id, rounds=rounds,
+                                                 new_tokens=new_tokens))
 
 
 @contextlib.contextmanager

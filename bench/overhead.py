@@ -1,11 +1,11 @@
 """Decode wall clock on the real VLM vs the base: routers with skipping off, static removal, layers deleted.
 
-    python -m bench.overhead                     # routers at init, batch 1 and 8, 5 alternating rounds
+    python -m bench.overhead                     # routers at init, batch 1 and 8, 6 paired rounds
     python -m bench.overhead --adapter bench/.cache/runs/routed_static/adapter --target 0.2
     python -m bench.overhead --block-size 3      # routers at init in front of every third layer
 
-Every ratio is (tokens/s of the variant) / (tokens/s of the base), both measured alternately in the same
-process, best of `--rounds`; the base is the same model with the adapter disabled. The last ratio deletes the
+Every ratio is (tokens/s of the variant) / (tokens/s of the base), the median of `--rounds` paired rounds in
+ABBA order in the same process (`bench.evaluate.paired_speed_ratios`); the base is the same model with the adapter disabled. The last ratio deletes the
 same layers from the plain model with the routers detached: static removal as a pruned release ships it.
 On a busy CPU those ratios move by several per cent between calls, so each batch also reports routing's share of
 one routed generate call, timed inside it (`bench.evaluate.routing_share`): a finer, lower-bound reading.
@@ -33,7 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block-size", type=int, default=1,
                         help="layers per routed block for routers at init (a trained adapter keeps its own)")
     parser.add_argument("--target", type=float, default=0.2, help="static removal target (fraction of layers)")
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=6,
+                        help="paired rounds per ratio (ABBA order; the median is printed)")
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args(argv)

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-from .evaluate import (Method, decode_speed, greedy, nullmethod, perplexity, rouge_l, routing_share, speed_ratio,
-                       teacher_forced)
+from .evaluate import (Method, decode_speed, greedy, nullmethod, paired_speed_ratios, perplexity, rouge_l,
+                       routing_share, speed_ratio, teacher_forced)
 
 
 # -- measuring ---------------------------------------------------------------------------------------------
@@ -36,6 +37,7 @@ class Bench:
         self.base: dict[str, Any] = {}
         self.base_method: Method = nullmethod
         self.tolerance = 0.02  # calibration: how close to each target the skipped fraction must come
+        self.speed_rounds = 4  # paired rounds (base and method side by side) per decode-speed ratio
 
     def _decode(self, tokens: torch.Tensor) -> str:
         return self.tokenizer.decode(tokens[0], skip_special_tokens=True).strip()
@@ -82,10 +84,16 @@ class Bench:
             result.update(self.measure_speed(method))
         return result
 
-    def measure_speed(self, method: Method) -> dict[str, float]:
-        """Decode speed under `method` as a ratio to the base's, at batch 1 and batch 8."""
-        return {"decode_speedup_b1": self.speed_ratio(self.data.captions[0], method),
-                "decode_speedup_b8": self.speed_ratio(self.data.batch8, method)}
+    def measure_speed(self, method: Method) -> dict[str, Any]:
+        """Decode speed under `method` as a ratio to the base's, at batch 1 and batch 8: the median of
+        `speed_rounds` paired rounds (ABBA order), with the lowest and highest round beside it."""
+        result: dict[str, Any] = {}
+        for key, inputs in (("b1", self.data.captions[0]), ("b8", self.data.batch8)):
+            ratios = paired_speed_ratios(self.model, inputs, method, self.base_method, self.pad,
+                                         rounds=self.speed_rounds)
+            result[f"decode_speedup_{key}"] = statistics.median(ratios)
+            result[f"decode_speedup_{key}_range"] = [min(ratios), max(ratios)]
+        return result
 
     def fingerprint(self) -> dict[str, Any]:
         """What identifies the model and eval set: the base's metrics and a hash of its greedy continuations."""
@@ -95,15 +103,14 @@ class Bench:
         return {"ppl": round(self.base["ppl"], 4), "rouge_l": round(self.base["rouge_l"], 4),
                 "continuations": digest.hexdigest()[:16]}
 
-    def speed_ratio(self, inputs: dict[str, Any], method: Method, rounds: int = 2) -> float:
-        """Decode tokens/s under `method` ÷ the base's, measured alternately in this call.
+    def speed_ratio(self, inputs: dict[str, Any], method: Method, rounds: int | None = None) -> float:
+        """Decode tokens/s under `method` ÷ the base's, measured alternately in this call (`speed_ratio`).
 
         The base is the model with any attached routers disabled (`self.base_method`): the unmodified function.
         """
-        return speed_ratio(self.model, inputs, method, self.base_method, self.pad, rounds=rounds)
+        return speed_ratio(self.model, inputs, method, self.base_method, self.pad, rounds=rounds or self.speed_rounds)
 
 
-# -- the sweep ----------------------------------------------------------------------------------------------
 def _record(method: str, target: float, metrics: dict[str, Any], **extra: Any) -> dict[str, Any]:
     """One operating point: the results.json keys first, then every other measurement; `extra` overrides."""
     keys = ("compute_saved", "agreement", "ppl_ratio", "rouge_l", "decode_speedup_b1", "decode_speedup_b8")
@@ -181,7 +188,7 @@ def sweep(bench: Bench, targets: list[float], variants: list, speed_target: floa
         bench.base_method = adapter.disabled  # merged LoRA stays in it: speed ratios compare skipping alone
         if overhead["router_overhead"] is None and target_model is model:
             # Retrofit time ÷ base time with skipping off: routers attached vs disabled, measured alternately.
-            overhead["router_overhead"] = 1.0 / bench.speed_ratio(data.captions[0], nullmethod, rounds=3)
+            overhead["router_overhead"] = 1.0 / bench.speed_ratio(data.captions[0], nullmethod, rounds=6)
             overhead["router_time_share"] = routing_share(model, adapter, data.captions[0], bench.pad, rounds=3)
         # Trained routers with skipping off: what the retrofit itself costs before any block is skipped.
         records.append(_record(f"ours-{variant.name}", 0.0, bench.measure(nullmethod, speed=False), compute_saved=0.0))

@@ -5,6 +5,7 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -98,7 +99,8 @@ def test_pruned_release_records_measure_what_the_pruned_model_computes(tmp_path)
 
 def test_report_writes_json_markdown_and_plot(tmp_path):
     record = {"method": "static-greedy-impact", "target": 0.2, "compute_saved": 0.19, "agreement": 0.5,
-              "ppl_ratio": 2.0, "rouge_l": 0.3, "decode_speedup_b1": 1.1, "decode_speedup_b8": None, "kl": 0.4}
+              "ppl_ratio": 2.0, "rouge_l": 0.3, "decode_speedup_b1": 1.1, "decode_speedup_b1_range": [1.04, 1.16],
+              "decode_speedup_b8": None, "kl": 0.4}
     results = {"date": "2026-01-01", "machine": "test", "backbone": "tiny", "router_overhead": 1.05,
                "router_time_share": 0.04,
                "base": {"ppl": 50.0, "rouge_l": 0.35, "speed_b1": 10.0, "speed_b8": 40.0},
@@ -115,6 +117,7 @@ def test_report_writes_json_markdown_and_plot(tmp_path):
     assert json.loads((out / "results.json").read_text())["records"] == [record]
     table = (out / "RESULTS.md").read_text()
     assert "| static-greedy-impact | 0.20 | 0.190 |" in table and "router overhead" in table
+    assert "| 1.100 (1.04–1.16) | – |" in table  # the median of the paired rounds with their range
     assert "4.0%, i.e. overhead 1.042" in table
     assert "lr 0.002, queries at 0.04x lr, removal schedule k = 6..9" in table
     assert "lr 0.002 (cosine to 0.1x over 3 steps), routers off (identity, untrained): LoRA only" in table
@@ -149,3 +152,33 @@ def test_routing_time_accumulates_over_forwards_and_leaves_the_adapter_as_it_was
     assert 0 < share < 1
     with adapter.disabled():  # the base function routes nothing
         assert routing_share(model, adapter, inputs, tokenizer.pad_token_id or 0, rounds=1, new_tokens=3) == 0
+
+
+def test_paired_speed_ratios_alternate_the_order_so_a_drifting_machine_favours_neither_side(monkeypatch):
+    import contextlib
+
+    import bench.evaluate as evaluate
+
+    active, calls = [], []
+
+    def method_of(name):
+        @contextlib.contextmanager
+        def enter():
+            active.append(name)
+            yield
+            active.pop()
+        return enter
+
+    def timed_generate(model, inputs, pad_token_id, new_tokens):
+        # Both sides equally fast; the machine slows by 10 % of a call after every call.
+        calls.append(active[-1])
+        return 1.0 + 0.1 * (len(calls) - 1)
+
+    monkeypatch.setattr(evaluate, "_timed_generate", timed_generate)
+    base, other = method_of("base"), method_of("other")
+    ratios = evaluate.paired_speed_ratios(None, {}, other, base, 0, rounds=4)
+    assert calls == ["base", "other", "other", "base"] * 2  # ABBA
+    assert ratios == pytest.approx([1.0 / 1.1, 1.3 / 1.2, 1.4 / 1.5, 1.7 / 1.6])
+    calls.clear()
+    # The median of paired rounds stays at ~1; one side always first would read 0.91-0.94 (the later call slower).
+    assert evaluate.speed_ratio(None, {}, other, base, 0, rounds=4) == pytest.approx(1.0, abs=0.01)
