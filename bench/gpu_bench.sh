@@ -18,5 +18,5 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>
 mkdir -p bench/gpu
 # Variants decayed over a fixed step count get 600 steps (--train-steps), still capped at 1.5 min each.
 exec "$PY" -m bench.run --device cuda --dtype bfloat16 --train-minutes 1.5 --train-steps 600 \
-  --variants lora_mlp_joint_plain routed_static_lora_mlp_joint gate recent_weight \
+  --variants lora_mlp_joint_plain routed_static_lora_mlp_joint gate_b3 recent_weight \
   --caption-samples 35 --text-chunks 12 --runs bench/.cache/runs-gpu --out bench/gpu "$@"

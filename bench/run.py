@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__)
     parser.add_argument("--variants", nargs="+",
                         default=["routed_static", "routed_static_lora_mlp_joint", "lora_mlp_joint_plain", "gate",
-                                 "recent_weight"],
+                                 "gate_b3", "recent_weight"],
                         choices=sorted(VARIANTS))
     parser.add_argument("--train-minutes", type=float, default=20.0, help="distillation budget per variant (wall clock)")
     parser.add_argument("--train-steps", type=int, default=None,
