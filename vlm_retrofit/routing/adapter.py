@@ -210,7 +210,7 @@ class RouterAdapter(nn.Module):
         """`_record_delta(block, hidden)`, then `_mix(key)`: one fused call where every token ran the block (no
         skip controller) on a buffered fp32 CPU stream, a decoding step's case."""
         state = self._state
-        if self._controller is None and state.stack.native is not None and state.routed_input is not None:
+        if self._controller is None:
             fused = self.routers[key].push_and_mix(state.stack, hidden, state.routed_input)
             if fused is not None:
                 state.routed_input, state.alphas[key] = fused

@@ -1,4 +1,4 @@
-"""Fused CPU kernels for decode-time routing: one C call per delta push and one per router (optional)."""
+"""Fused CPU kernels for decode-time routing: one C call per layer (its delta push and router), optional."""
 
 from __future__ import annotations
 

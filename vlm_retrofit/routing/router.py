@@ -100,7 +100,9 @@ class DepthRouter(nn.Module):
                      routed_input: Tensor) -> tuple[Tensor, Tensor] | None:
         """Push a block's delta (`output - routed_input`, every token has it) onto `stack` and mix, in one fused
         call on buffered fp32 CPU streams; None, with nothing pushed, elsewhere: then `stack.push_delta` and call
-        the router. Without autograd only (buffered streams are)."""
+        the router."""
+        if stack.native is None:  # before the scorer: it is cached for inference only
+            return None
         return stack.push_delta_and_route(output, routed_input, self._inference_scorer(), self._parameters["bias"])
 
     def _mix_buffered(self, stack: "SourceStack", k: int) -> tuple[Tensor, Tensor]:

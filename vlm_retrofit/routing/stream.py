@@ -24,8 +24,8 @@ class SourceStack:
       itself, into a preallocated fp32 [capacity, tokens, d] buffer whose first K slots are contiguous, with its
       inverse RMS beside it. A router scores all sources with one matrix-vector product and mixes them with one
       more (a multiply-sum for several tokens). Re-stacking a growing list (or a normalised copy of it) at every
-      block costs more memory traffic than the routing itself. On fp32 CPU streams a push and a router are one
-      call each into the fused kernels (`routing.native`).
+      block costs more memory traffic than the routing itself. On fp32 CPU streams a layer's push and router are
+      one call into the fused kernels (`routing.native`), or one call each under a skip policy.
     * listed (training, prefill): per-source tensors, never a [K, B, T, d] copy of the stream; in-place buffer
       writes would break autograd.
     """
