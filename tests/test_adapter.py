@@ -15,6 +15,9 @@ def case(request):
     """(family, model, inputs with images, inputs without images, base logits for both) built once per family."""
     family = request.param
     model, processor = tiny_vlm(family)
+    # Frozen, as attach_routers leaves it: F.linear on a non-contiguous 3-D input takes another matmul path when the
+    # weight requires grad (under no_grad too), rounding differently (LLaVA-OneVision's projector input, ~1e-7).
+    model.requires_grad_(False)
     with_image = tiny_inputs(processor, batch=2, with_image=True)
     text_only = tiny_inputs(processor, batch=2, with_image=False)
     with torch.no_grad():
@@ -29,7 +32,7 @@ def attached(case):
     adapter = attach_routers(model, RouterConfig())
     yield family, model, inputs, base, adapter
     adapter.detach()
-    model.requires_grad_(True)
+    model.requires_grad_(False)  # the fixture's state
 
 
 def _logits(model, inputs):
@@ -64,7 +67,7 @@ def test_disabled_and_detach_give_the_exact_base(case):
         assert torch.equal(_logits(model, inputs["image"]), base["image"])
     assert not torch.equal(_logits(model, inputs["image"]), base["image"])
     adapter.detach()
-    model.requires_grad_(True)
+    model.requires_grad_(False)  # the fixture's state
     assert torch.equal(_logits(model, inputs["image"]), base["image"])
     after = model.state_dict()
     assert list(after) == list(before) and all(torch.equal(after[k], before[k]) for k in before)
@@ -116,7 +119,7 @@ def test_save_load_round_trip_reproduces_outputs(case, tmp_path):
         assert torch.equal(_logits(fresh, inputs["image"]), expected)
     finally:
         restored.detach()
-    model.requires_grad_(True)
+    model.requires_grad_(False)  # the fixture's state
 
 
 def test_mismatched_base_is_refused_before_touching_the_model(case, tmp_path):
@@ -124,7 +127,7 @@ def test_mismatched_base_is_refused_before_touching_the_model(case, tmp_path):
     adapter = attach_routers(model, RouterConfig())
     adapter.save_pretrained(tmp_path)
     adapter.detach()
-    model.requires_grad_(True)
+    model.requires_grad_(False)  # the fixture's state
     deeper, _ = tiny_vlm(family, num_hidden_layers=6)
     before = {k: v.clone() for k, v in deeper.state_dict().items()}
     with pytest.raises(AdapterMismatchError, match="different base model") as err:
