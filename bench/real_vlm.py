@@ -150,15 +150,16 @@ def gguf_path() -> Path:
     return path
 
 
-def load_smollm2() -> tuple[dict[str, torch.Tensor], Any, Any]:
-    """(state_dict, LlamaConfig, tokenizer) of SmolLM2-135M-Instruct, read from the GGUF (~20 s).
+def load_smollm2(path: str | os.PathLike | None = None) -> tuple[dict[str, torch.Tensor], Any, Any]:
+    """(state_dict, LlamaConfig, tokenizer) of SmolLM2-135M-Instruct, read from the GGUF (~20 s): the installed
+    package's, or the file at `path`.
 
     transformers cannot `save_pretrained` a GGUF-loaded model, so the caller rebuilds it from the config and the
     state dict; the config drops the GGUF quantisation entry (the weights are already de-quantised to fp32).
     """
     import transformers as tf
 
-    path = gguf_path()
+    path = Path(path) if path is not None else gguf_path()
     tokenizer = tf.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     model = tf.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     volatile = {"quantization_config", "_name_or_path", "_model_name_or_path", "transformers_version", "architectures",
@@ -191,6 +192,16 @@ def build_processor(tokenizer: Any) -> Any:
                              image_token=IMAGE_TOKEN, chat_template=CHAT_TEMPLATE)
 
 
+def language_model_state(lm_state: dict[str, torch.Tensor], vocab_size: int) -> dict[str, torch.Tensor]:
+    """The GGUF's Llama state as the LLaVA language model's: prefix dropped, no `lm_head` (tied), the embedding
+    grown to `vocab_size` rows by the mean row (the `<image>` token's)."""
+    state = {k.removeprefix("model."): v for k, v in lm_state.items() if k != "lm_head.weight"}
+    embed = state["embed_tokens.weight"]
+    extra = vocab_size - embed.shape[0]
+    state["embed_tokens.weight"] = torch.cat([embed, embed.mean(0, keepdim=True).expand(extra, -1)])
+    return state
+
+
 def compose(lm_state: dict[str, torch.Tensor], text_config: Any, processor: Any, seed: int = 0) -> Any:
     """LLaVA around the SmolLM2 weights and the pretrained EfficientNet-Lite0 tower; the projector is freshly
     initialised (seeded). The `<image>` embedding row is the mean of the others (it is never looked up: image
@@ -210,11 +221,7 @@ def compose(lm_state: dict[str, torch.Tensor], text_config: Any, processor: Any,
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = tf.LlavaForConditionalGeneration._from_config(config, dtype=torch.float32)
-    state = {k.removeprefix("model."): v for k, v in lm_state.items() if k != "lm_head.weight"}
-    embed = state["embed_tokens.weight"]
-    extra = len(tokenizer) - embed.shape[0]
-    state["embed_tokens.weight"] = torch.cat([embed, embed.mean(0, keepdim=True).expand(extra, -1)])
-    model.model.language_model.load_state_dict(state, strict=True)
+    model.model.language_model.load_state_dict(language_model_state(lm_state, len(tokenizer)), strict=True)
     model.model.vision_tower.load_state_dict(pretrained_tower(vision_config).state_dict(), strict=True)
     model.tie_weights()
     if model.lm_head.weight.data_ptr() != model.model.language_model.embed_tokens.weight.data_ptr():

@@ -1,0 +1,179 @@
+"""bench/bundle.py: parts round trip and refuse damage; pack -> unpack rebuilds a model tensor for tensor; real assets opt-in."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # bench/ is a folder at the repository root, not an installed package
+
+from bench import bundle, real_vlm  # noqa: E402
+from bench.data import STAMPS_SUBDIR, TUXPAINT_PKG  # noqa: E402
+
+
+def test_parts_join_back_and_a_missing_or_damaged_part_is_named(tmp_path):
+    payload = torch.randint(0, 256, (10_000,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    source = tmp_path / "whole.bin"
+    source.write_bytes(payload.numpy().tobytes())
+    out = tmp_path / "parts"
+    out.mkdir()
+    parts = bundle.split_file(source, out, 3_000)
+    assert [p["bytes"] for p in parts] == [3_000, 3_000, 3_000, 1_000]
+    (out / bundle.INDEX).write_text(json.dumps({"parts": parts, "created": "now"}))
+    index = bundle.check_parts(out)
+    assert bundle.joined(out, index).read() == source.read_bytes()
+
+    (out / parts[2]["name"]).rename(tmp_path / "aside")
+    with pytest.raises(FileNotFoundError, match=r"lacks 1 of its 4 parts: bundle\.tar\.002"):
+        bundle.check_parts(out)
+    damaged = bytearray((tmp_path / "aside").read_bytes())
+    damaged[7] ^= 1
+    (out / parts[2]["name"]).write_bytes(bytes(damaged))
+    with pytest.raises(ValueError, match=r"bundle\.tar\.002 is damaged"):
+        bundle.check_parts(out)
+    with pytest.raises(FileNotFoundError, match="no bundle.json"):
+        bundle.check_parts(tmp_path)
+
+
+def test_tensor_digest_sees_dtype_shape_and_bytes():
+    t = torch.arange(6, dtype=torch.float32)
+    digests = {bundle.tensor_digest(x) for x in (t, t.view(2, 3), t.to(torch.float64), t + 1e-6 * (t == 5))}
+    assert len(digests) == 4
+    assert bundle.tensor_digest(t.view(2, 3).t()) == bundle.tensor_digest(t.view(2, 3).t().contiguous())
+
+
+def _fake_data(data: Path) -> None:
+    files = {
+        "shards/captions-train/captions-train-000000.tar": b"tar",
+        "shards/captions-train/_inputs/captions-train.jsonl": b"build input",
+        "shards/austen-test.txt": b"It is a truth universally acknowledged.",
+        "tuxpaint/pairs.json": b"{}",
+        "tuxpaint/images/animals/frog.png": b"png",
+        f"pkgs/{TUXPAINT_PKG}/.extracted.json": b"{}",
+        f"pkgs/{TUXPAINT_PKG}/{STAMPS_SUBDIR}/frog.png": b"raw stamp",
+        "pkgs/r-cran-janeaustenr/.extracted.json": b"{}",
+        "pkgs/r-cran-janeaustenr/usr/lib/R/site-library/janeaustenr/data/Rdata.rdx": b"rdx",
+        "debs/tuxpaint-stamps-default_1_all.deb": b"deb",
+    }
+    for rel, content in files.items():
+        (data / rel).parent.mkdir(parents=True, exist_ok=True)
+        (data / rel).write_bytes(content)
+    manifest = {"root": str(data / "shards"), "shards": {"captions-train": {"dir": str(data / "shards/captions-train")}},
+                "austen_test": {"path": str(data / "shards/austen-test.txt")}}
+    (data / "shards" / "bench_data.json").write_text(json.dumps(manifest))
+
+
+def test_data_files_are_what_the_bench_reads_once_built(tmp_path):
+    _fake_data(tmp_path)
+    kept = {p.as_posix() for p in bundle.data_files(tmp_path)}
+    assert kept == {"shards/captions-train/captions-train-000000.tar", "shards/austen-test.txt",
+                    "shards/bench_data.json", "tuxpaint/pairs.json", "tuxpaint/images/animals/frog.png",
+                    f"pkgs/{TUXPAINT_PKG}/.extracted.json", "pkgs/r-cran-janeaustenr/.extracted.json",
+                    "pkgs/r-cran-janeaustenr/usr/lib/R/site-library/janeaustenr/data/Rdata.rdx"}
+
+
+WHEEL = "hello_bundle-0.1-py3-none-any.whl"
+
+
+def _wheel(folder: Path) -> None:
+    """A minimal pure-Python wheel (package `hello_bundle`, VALUE = 7)."""
+    import zipfile
+
+    folder.mkdir()
+    files = {"hello_bundle/__init__.py": "VALUE = 7\n",
+             "hello_bundle-0.1.dist-info/METADATA": "Metadata-Version: 2.1\nName: hello-bundle\nVersion: 0.1\n",
+             "hello_bundle-0.1.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
+                                                 "Tag: py3-none-any\n"}
+    files["hello_bundle-0.1.dist-info/RECORD"] = "".join(f"{name},,\n" for name in [*files, "hello_bundle-0.1.dist-info/RECORD"])
+    with zipfile.ZipFile(folder / WHEEL, "w") as whl:
+        for name, text in files.items():
+            whl.writestr(name, text)
+
+
+def _tiny_build(path: Path):
+    """A tiny LLaVA saved as a real-VLM build, and the GGUF reader's view of its language model."""
+    from vlm_retrofit.testing import tiny_vlm
+
+    model, processor = tiny_vlm("llava")
+    model.save_pretrained(path)
+    processor.save_pretrained(path)
+    (path / "build_info.json").write_text(json.dumps({"recipe_version": real_vlm.RECIPE_VERSION}))
+    lm_state = {f"model.{k}": v.clone() for k, v in model.model.language_model.state_dict().items()}
+    return model, lm_state
+
+
+def test_pack_then_unpack_rebuilds_the_model_exactly_and_relocates_the_data(tmp_path, monkeypatch):
+    model, lm_state = _tiny_build(tmp_path / "built" / "real_vlm")
+    data = tmp_path / "built" / "data"
+    _fake_data(data)
+    gguf = tmp_path / "lm.gguf"
+    gguf.write_bytes(b"GGUF" * 1000)
+    wheels = tmp_path / "wheels"
+    _wheel(wheels)
+    monkeypatch.setattr(real_vlm, "load_smollm2", lambda path: (lm_state, None, None))
+
+    out = tmp_path / "bundle"
+    index = bundle.pack(out, part_mb=0.05, real_vlm=tmp_path / "built" / "real_vlm", data=data, gguf=gguf, wheels=wheels)
+    assert len(index["parts"]) > 1 and all(p["bytes"] <= 0.05 * 2 ** 20 for p in index["parts"])
+
+    there = tmp_path / "elsewhere" / "cache"
+    monkeypatch.setattr(sys, "path", list(sys.path))  # unpack puts the site folder first
+    done = bundle.unpack(out, real_vlm=there / "real_vlm", data=there / "data", site=tmp_path / "site")
+    assert set(done) == {"bundle", "real_vlm", "data", "wheels", "site"}
+    assert __import__("hello_bundle").VALUE == 7  # the carried wheel, installed before the rebuild
+    assert real_vlm.is_built(there / "real_vlm")
+    from transformers import LlavaForConditionalGeneration
+
+    rebuilt = LlavaForConditionalGeneration.from_pretrained(there / "real_vlm")
+    expected = model.state_dict()
+    assert rebuilt.state_dict().keys() == expected.keys()
+    assert all(torch.equal(v, expected[k]) for k, v in rebuilt.state_dict().items())
+    manifest = json.loads((there / "data" / "shards" / "bench_data.json").read_text())
+    assert manifest["shards"]["captions-train"]["dir"] == str((there / "data" / "shards" / "captions-train").resolve())
+    assert Path(manifest["austen_test"]["path"]).read_text() == "It is a truth universally acknowledged."
+    assert (there / "data" / "pkgs" / TUXPAINT_PKG / STAMPS_SUBDIR).is_dir()
+    assert not (there / "data" / "debs").exists() and (there / "wheels" / WHEEL).is_file()
+    assert bundle.unpack(out, real_vlm=there / "real_vlm", data=there / "data").keys() == {"bundle", "wheels"}
+
+    # A reader that de-quantises differently gives another model: refused, nothing written.
+    lm_state["model.norm.weight"] = lm_state["model.norm.weight"] + 1e-3
+    other = tmp_path / "other"
+    with pytest.raises(ValueError, match="differs from the packed one"):
+        bundle.unpack(out, real_vlm=other / "real_vlm", data=other / "data")
+    assert not (other / "real_vlm").exists()
+
+
+@pytest.mark.real
+@pytest.mark.timeout(1800)
+def test_real_assets_survive_the_bundle(tmp_path, monkeypatch):
+    """The real VLM and shards, packed and unpacked elsewhere: every tensor checked, the shards found without any
+    download."""
+    from bench import data as bench_data
+
+    if real_vlm.missing_packages():
+        pytest.skip(f"bench packages missing: {', '.join(real_vlm.missing_packages())}")
+    bench_data.write_bench_shards()
+    real_vlm.build_real_vlm()
+    index = bundle.pack(tmp_path / "bundle")
+    assert all(p["bytes"] <= bundle.PART_MB * 2 ** 20 for p in index["parts"])
+    assert index["bytes"] < 200 * 2 ** 20  # against 534 MB of weights + 239 MB of data cache
+
+    def no_download(*args, **kwargs):
+        raise AssertionError("the unpacked data should need no package download")
+
+    monkeypatch.setattr(bench_data, "_download_deb", no_download)
+    there = tmp_path / "cache"
+    bundle.unpack(tmp_path / "bundle", real_vlm=there / "real_vlm", data=there / "data")
+    manifest = bench_data.write_bench_shards(cache=there / "data")
+    assert manifest["root"] == str((there / "data" / "shards").resolve())
+    test = bench_data.tuxpaint_split("test", there / "data")
+    assert test and all(path.is_file() for path, _ in test)
+    model, _ = real_vlm.load_real_vlm(there / "real_vlm", build=False)
+    reference, _ = real_vlm.load_real_vlm(build=False)
+    ids = torch.tensor([[1, 504, 3458, 282, 4649, 314]])
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, reference(input_ids=ids).logits)
