@@ -215,3 +215,35 @@ def test_lora_healing_without_routers_is_refused_without_what_it_needs():
         args = {"lora": LORA, "removal_order": [3, 2], "max_removed_blocks": 2, "max_drop_rate": 0.0, **kwargs}
         with pytest.raises(ValueError, match="train_routers: false"):
             RetrofitModule(backbone="tiny:llama", backbone_kwargs=LAYERS, train_routers=False, **args)
+
+
+def test_hidden_state_term_compares_the_kept_layers_above_the_first_removed_one():
+    from vlm_retrofit.training.losses import hidden_state_distillation
+
+    module = RetrofitModule(backbone="tiny:llama", backbone_kwargs=LAYERS, lora=LORA, removal_order=[3, 2, 1],
+                            max_removed_blocks=2, min_removed_blocks=2, max_drop_rate=0.0, use_gates=False,
+                            train_routers=False, hidden_weight=0.5)
+    # Layers 2 and 3 deleted: the student runs 0, 1, 4, 5; its outputs of 4 and 5 are compared with the teacher's.
+    assert module.hidden_state_pairs([3, 2]) == [(3, 5), (4, 6)]
+    assert module.hidden_state_pairs([]) == []
+    batch = _batches(1)[0]
+    inputs, mask = module.model_inputs(batch)
+    with torch.no_grad():
+        with module.teacher():
+            teacher = module.model(**inputs, output_hidden_states=True).hidden_states
+        from vlm_retrofit.pruning import layers_removed
+
+        with module.adapter.disabled(), layers_removed(module.model, module.adapter.spec, [2, 3]):
+            student = module.model(**inputs, output_hidden_states=True).hidden_states
+        out = module.compute_loss(batch, drop_rate=0.0, seed=0)
+    # Entry j is the output of the j-th layer that ran: below the gap (LoRA at zero) the two streams agree.
+    assert len(student) == 5 and len(teacher) == 7
+    torch.testing.assert_close(student[2], teacher[2])
+    expected = hidden_state_distillation(student, teacher, [(3, 5), (4, 6)], mask)
+    torch.testing.assert_close(out.hidden, expected)
+    assert out.hidden > 1e-4
+    torch.testing.assert_close(out.loss, out.kl + out.penalty + 0.5 * out.hidden)
+
+    with pytest.raises(ValueError, match="train_routers: false"):
+        RetrofitModule(backbone="tiny:llama", backbone_kwargs=LAYERS, removal_order=[3, 2], max_removed_blocks=2,
+                       hidden_weight=1.0)

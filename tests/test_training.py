@@ -290,6 +290,22 @@ def test_query_lr_scale_puts_queries_in_their_own_group():
         RetrofitModule(backbone="tiny:qwen2_vl", query_lr_scale=0.0).configure_optimizers()
 
 
+
+def test_lora_b_lr_scale_puts_the_lora_b_matrices_in_their_own_group():
+    lora = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}
+    module = RetrofitModule(backbone="tiny:llama", lora=lora, lr=1e-3, lora_b_lr_scale=16.0)
+    optimizer = module.configure_optimizers()["optimizer"]
+    names = {id(p): n for n, p in module.named_parameters()}
+    by_name = {names[id(p)]: g["initial_lr"] for g in optimizer.param_groups for p in g["params"]}
+    lora_b = {n for n in by_name if ".lora_B." in n}
+    assert lora_b and {by_name[n] for n in lora_b} == {1e-3 * 16}
+    assert any(".lora_A." in n for n in by_name) and {lr for n, lr in by_name.items() if n not in lora_b} == {1e-3}
+    assert base_lr(optimizer) == pytest.approx(1e-3 / module.hparams.warmup_steps)  # the unnamed groups' rate
+    plain = RetrofitModule(backbone="tiny:llama", lora=lora, lr=1e-3).configure_optimizers()["optimizer"]
+    assert not any("name" in g for g in plain.param_groups)
+    with pytest.raises(ValueError, match="lora_b_lr_scale"):
+        RetrofitModule(backbone="tiny:llama", lora=lora, lora_b_lr_scale=0.0).configure_optimizers()
+
 def test_distill_positions_text_covers_prompts_but_not_images_or_padding():
     batch = _batch("qwen2_vl", batch_size=2)
     response = RetrofitModule(backbone="tiny:qwen2_vl")
@@ -304,3 +320,24 @@ def test_distill_positions_text_covers_prompts_but_not_images_or_padding():
     assert torch.isfinite(text.compute_loss(batch, drop_rate=0.3, seed=0).loss)
     with pytest.raises(ValueError, match="distill_positions"):
         RetrofitModule(backbone="tiny:qwen2_vl", distill_positions="all")
+
+
+def test_hidden_state_distillation_is_the_mean_relative_error_of_the_pairs():
+    from vlm_retrofit.training.losses import hidden_state_distillation
+
+    torch.manual_seed(0)
+    teacher = [torch.randn(2, 4, 6) for _ in range(3)]
+    student = [t + 0.1 * torch.randn_like(t) for t in teacher[:2]]
+    student[0].requires_grad_(True)
+    mask = torch.tensor([[1, 1, 0, 0], [0, 1, 1, 1]], dtype=torch.bool)
+
+    def relative(s, t):
+        return ((s[mask] - t[mask]).square().sum(-1) / t[mask].square().sum(-1)).mean()
+
+    value = hidden_state_distillation(student, teacher, [(0, 1), (1, 2)], mask)
+    torch.testing.assert_close(value, (relative(student[0], teacher[1]) + relative(student[1], teacher[2])) / 2)
+    assert hidden_state_distillation(teacher, teacher, [(0, 0), (2, 2)], mask) == 0
+    empty = hidden_state_distillation(student, teacher, [(0, 1)], torch.zeros_like(mask))
+    empty.backward()  # no selected position: zero, still differentiable
+    assert empty == 0 and student[0].grad is not None
+    assert hidden_state_distillation(student, teacher, []) == 0

@@ -1,8 +1,8 @@
-"""Distillation losses: KL(teacher || student) on masked positions, the compute penalty, router entropy."""
+"""Distillation losses: KL(teacher || student) and hidden-state error on masked positions, the compute penalty, router entropy."""
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +32,30 @@ def distillation_kl(student_logits: Tensor, teacher_logits: Tensor, mask: Tensor
     # sum_v p_t (log p_t - log p_s); kl_div(input=log q, target=log p, log_target=True) computes exactly that.
     kl = F.kl_div(log_student, log_teacher, reduction="none", log_target=True).sum(-1)
     return kl.mean() * (temperature ** 2)
+
+
+def hidden_state_distillation(student_states: Sequence[Tensor], teacher_states: Sequence[Tensor],
+                              pairs: Sequence[tuple[int, int]], mask: Tensor | None = None) -> Tensor:
+    """Mean over `pairs` (student index, teacher index into the `hidden_states` tuples) of the per-token relative
+    squared error `||s - t||^2 / ||t||^2` over the selected positions, computed in fp32.
+
+    Relative per token because residual-stream norms grow with depth and a few tokens (the first, attention sinks)
+    are orders of magnitude larger than the rest: an absolute error would be theirs alone. `mask` (bool [B, T])
+    selects the positions that count (None = all). With no pair or no position the result is a zero that still
+    depends on the student.
+    """
+    terms = []
+    for s_index, t_index in pairs:
+        student, teacher = student_states[s_index].float(), teacher_states[t_index].float()
+        if mask is not None:
+            student, teacher = student[mask], teacher[mask]
+        if student.numel() == 0:
+            continue
+        error = (student - teacher).square().sum(-1) / teacher.square().sum(-1).clamp_min(1e-6)
+        terms.append(error.mean())
+    if not terms:
+        return student_states[pairs[0][0] if pairs else -1].float().sum() * 0.0
+    return torch.stack(terms).mean()
 
 
 def compute_penalty(expected_compute: Tensor, target: float | None, weight: float, kind: str = "hinge") -> Tensor:

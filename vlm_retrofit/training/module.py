@@ -22,7 +22,8 @@ from ..backbones import unwrap_model
 from ..backbones.loading import load_backbone
 from ..pruning import layers_removed
 from .checkpoint import CHECKPOINT_KEY, check_checkpoint, checkpoint_metadata
-from .losses import PENALTIES, compute_penalty, distillation_kl, drop_rate_at, routing_entropies
+from .losses import (PENALTIES, compute_penalty, distillation_kl, drop_rate_at, hidden_state_distillation,
+                     routing_entropies)
 from .optim import SCHEDULES, base_lr, build_optimizer, lr_lambda
 
 log = logging.getLogger("vlm_retrofit.training")
@@ -54,6 +55,8 @@ class StepOutput:
     entropy: dict[str, float] = field(default_factory=dict)
     tokens: int = 0
     batch_size: int = 0
+    hidden: Tensor | None = None
+    """The hidden-state error (unweighted) when `hidden_weight` is on, else None."""
 
 
 class RetrofitModule(pl.LightningModule):
@@ -78,6 +81,7 @@ class RetrofitModule(pl.LightningModule):
         model_class: str | None = None,
         backbone_kwargs: dict[str, Any] | None = None,
         temperature: float = 1.0,
+        hidden_weight: float = 0.0,
         distill_positions: Literal["response", "text"] = "response",
         max_drop_rate: float = 0.25,
         drop_warmup_steps: int = 20,
@@ -92,6 +96,7 @@ class RetrofitModule(pl.LightningModule):
         optimizer: str = "AdamW",
         lr: float = 1e-2,
         query_lr_scale: float = 1.0,
+        lora_b_lr_scale: float = 1.0,
         weight_decay: float = 0.0,
         optimizer_kwargs: dict[str, Any] | None = None,
         scheduler: Literal["cosine", "linear", "constant"] = "cosine",
@@ -125,6 +130,11 @@ class RetrofitModule(pl.LightningModule):
             backbone_kwargs: extra `from_pretrained` keywords (e.g. revision); for `tiny:` backbones text-config
                 overrides such as `num_hidden_layers`.
             temperature: distillation temperature T (the KL is scaled by T^2).
+            hidden_weight: weight of a second distillation term on the residual stream (removal healing only,
+                `train_routers: false`): the per-token relative squared error between the student's and the
+                teacher's hidden state after every kept layer from the first removed one on, at the KL's positions
+                (`hidden_state_distillation`): a dense target for every layer that the logits reach only through
+                the layers above it. 0 = logits only.
             distill_positions: where the KL is taken: `response` = the datamodule's `loss_mask` (the answer
                 tokens); `text` = every real, non-image position (prompts too: many more positions per batch
                 for short answers such as captions).
@@ -157,6 +167,9 @@ class RetrofitModule(pl.LightningModule):
                 every coordinate of a d-dimensional query by ~lr, so a routing logit moves by up to ~lr * d per
                 step against lr for a bias; 1/sqrt(d) or less keeps large backbones' routers from swinging away
                 from identity in the first steps.
+            lora_b_lr_scale: learning-rate multiplier of the LoRA B matrices (the up-projections, zero at init)
+                against the A matrices, as LoRA+ proposes (e.g. 16): with one rate for both, the update of a wide
+                layer is led by A and learns slowly.
             weight_decay: decoupled weight decay on router queries / gate queries / LoRA matrices (norm gains
                 and biases are never decayed).
             optimizer_kwargs: further optimizer keywords (e.g. `{betas: [0.9, 0.95]}`).
@@ -198,6 +211,11 @@ class RetrofitModule(pl.LightningModule):
             raise ValueError("train_routers: false trains a LoRA to heal removed blocks: it needs lora, "
                              f"max_removed_blocks >= 1 and max_drop_rate: 0 (got lora={'set' if lora else None}, "
                              f"max_removed_blocks={max_removed_blocks}, max_drop_rate={max_drop_rate})")
+        if hidden_weight < 0:
+            raise ValueError(f"hidden_weight must be >= 0, got {hidden_weight}")
+        if hidden_weight and train_routers:
+            raise ValueError("hidden_weight matches the hidden states of a student with layers removed to the "
+                             "teacher's: it needs train_routers: false (LoRA healing of removed blocks)")
         if max_nonfinite_steps < 1:
             raise ValueError(f"max_nonfinite_steps must be >= 1, got {max_nonfinite_steps}")
         self.save_hyperparameters(ignore=["router"])
@@ -348,10 +366,23 @@ class RetrofitModule(pl.LightningModule):
         return SkipSimulation(self.adapter, drop_rate=drop_rate, use_gates=gates, budget=self.hparams.skip_budget,
                               generator=generator, removed_blocks=removed or ())
 
-    def _forward_logits(self, inputs: dict[str, Any], keep: Tensor | None) -> Tensor:
+    def _forward(self, inputs: dict[str, Any], keep: Tensor | None):
         if keep is not None:
             inputs = {**inputs, "logits_to_keep": keep}
-        return self.model(**inputs).logits
+        if self.hparams.hidden_weight:
+            inputs = {**inputs, "output_hidden_states": True}
+        return self.model(**inputs)
+
+    def hidden_state_pairs(self, removed: list[int]) -> list[tuple[int, int]]:
+        """(student, teacher) indices into `hidden_states` of the layer outputs the hidden-state term compares
+        when `removed` blocks are deleted: every kept layer from the first removed one on (the last one is the
+        final norm's output in both). Entry 0 is the embeddings, entry j the output of the j-th layer that ran."""
+        removed_layers = set(self.adapter.layout.layers_of_blocks(removed))
+        if not removed_layers:
+            return []
+        kept = [i for i in range(self.adapter.layout.num_layers) if i not in removed_layers]
+        first = min(removed_layers)
+        return [(j + 1, layer + 1) for j, layer in enumerate(kept) if layer > first]
 
     def compute_loss(self, batch: Mapping[str, Any], *, drop_rate: float, seed: int,
                      largest_removal: bool = False) -> StepOutput:
@@ -359,6 +390,7 @@ class RetrofitModule(pl.LightningModule):
         the removal schedule's blocks: a random prefix, or with `largest_removal` the longest)."""
         self._ensure_removal_order(batch)
         inputs, mask = self.model_inputs(batch)
+        positions = mask  # over the whole sequence, for the hidden states
         keep = None
         if self.hparams.select_logits:
             columns = mask.any(0)
@@ -366,19 +398,23 @@ class RetrofitModule(pl.LightningModule):
                 keep = columns.nonzero().squeeze(-1)
                 mask = mask[:, keep]
         with self.teacher():
-            teacher_logits = self._forward_logits(inputs, keep)
+            teacher = self._forward(inputs, keep)
         removed = self.removed_blocks(seed, largest=largest_removal)
         layout = self.adapter.layout
         sim = None
         if not self.hparams.train_routers:  # identity routing is the plain residual stream: the layers just go
             layers = layout.layers_of_blocks(removed)
             with self.adapter.disabled(), layers_removed(self.model, self.adapter.spec, layers):
-                student_logits = self._forward_logits(inputs, keep)
+                student = self._forward(inputs, keep)
         else:
             sim = self.simulation(drop_rate, seed, removed)
             with sim if sim is not None else contextlib.nullcontext():
-                student_logits = self._forward_logits(inputs, keep)
-        kl = distillation_kl(student_logits, teacher_logits, mask, self.hparams.temperature)
+                student = self._forward(inputs, keep)
+        kl = distillation_kl(student.logits, teacher.logits, mask, self.hparams.temperature)
+        hidden = None
+        if self.hparams.hidden_weight:
+            hidden = hidden_state_distillation(student.hidden_states, teacher.hidden_states,
+                                               self.hidden_state_pairs(removed), positions)
 
         skippable = layout.skippable_blocks
         if sim is not None:
@@ -396,7 +432,8 @@ class RetrofitModule(pl.LightningModule):
                                   self.hparams.compute_penalty).to(kl.device)
         entropy = {k: float(v) for k, v in routing_entropies(
             self.adapter.last_routing_weights if self.hparams.train_routers else {}, inputs.get("attention_mask")).items()}
-        return StepOutput(loss=kl + penalty, kl=kl, penalty=penalty, expected_compute=expected_compute,
+        loss = kl + penalty if hidden is None else kl + penalty + float(self.hparams.hidden_weight) * hidden
+        return StepOutput(loss=loss, kl=kl, penalty=penalty, expected_compute=expected_compute, hidden=hidden,
                           realised_compute=ran_layers / layout.num_layers, expected_keep=expected_keep,
                           realised_keep=realised_keep, entropy=entropy, tokens=int(mask.sum()),
                           batch_size=int(mask.shape[0]))
@@ -408,6 +445,8 @@ class RetrofitModule(pl.LightningModule):
         self.log(f"{prefix}/loss", out.loss.detach(), prog_bar=True, **kw)
         self.log(f"{prefix}/kl", out.kl.detach(), prog_bar=prefix != "train", **kw)
         self.log(f"{prefix}/penalty", out.penalty.detach(), **kw)
+        if out.hidden is not None:
+            self.log(f"{prefix}/hidden", out.hidden.detach(), **kw)
         self.log(f"{prefix}/compute_expected", out.expected_compute.detach().float(), **kw)
         self.log(f"{prefix}/compute_realised", float(out.realised_compute), **kw)
         keeps_e, keeps_r = list(out.expected_keep.values()), list(out.realised_keep.values())
@@ -490,7 +529,7 @@ class RetrofitModule(pl.LightningModule):
     def configure_optimizers(self) -> dict[str, Any]:
         hp = self.hparams
         optimizer = build_optimizer(self.named_parameters(), hp.optimizer, hp.lr, hp.weight_decay, hp.optimizer_kwargs,
-                                    query_lr_scale=hp.query_lr_scale)
+                                    query_lr_scale=hp.query_lr_scale, lora_b_lr_scale=hp.lora_b_lr_scale)
         total = hp.total_steps
         if total is None and self._trainer is not None:
             estimate = self.trainer.estimated_stepping_batches

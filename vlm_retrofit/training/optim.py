@@ -33,11 +33,16 @@ def _is_query(name: str) -> bool:
     return name.rsplit(".", 1)[-1] == "query"  # router pseudo-queries and gate queries
 
 
+def _is_lora_b(name: str) -> bool:
+    return ".lora_B." in name  # peft: <module>.lora_B.<adapter>.weight (the up-projection, zero at init)
+
+
 def parameter_groups(named: Iterable[tuple[str, nn.Parameter]], weight_decay: float, lr: float = 1e-3,
-                     query_lr_scale: float = 1.0) -> list[dict[str, Any]]:
+                     query_lr_scale: float = 1.0, lora_b_lr_scale: float = 1.0) -> list[dict[str, Any]]:
     """The parameters that require grad, grouped: decayed, router/gate queries (decayed, lr x `query_lr_scale`),
-    and not decayed (biases, norm gains)."""
-    decay, queries, no_decay = [], [], []
+    LoRA B matrices (decayed, lr x `lora_b_lr_scale`) and not decayed (biases, norm gains). A scaled group carries
+    a `name`; the base learning rate is that of the unnamed groups."""
+    decay, queries, lora_b, no_decay = [], [], [], []
     for name, param in named:
         if not param.requires_grad:
             continue
@@ -45,6 +50,8 @@ def parameter_groups(named: Iterable[tuple[str, nn.Parameter]], weight_decay: fl
             no_decay.append(param)
         elif _is_query(name) and query_lr_scale != 1.0:
             queries.append(param)
+        elif _is_lora_b(name) and lora_b_lr_scale != 1.0:
+            lora_b.append(param)
         else:
             decay.append(param)
     groups = []
@@ -52,6 +59,8 @@ def parameter_groups(named: Iterable[tuple[str, nn.Parameter]], weight_decay: fl
         groups.append({"params": decay, "weight_decay": weight_decay})
     if queries:
         groups.append({"params": queries, "weight_decay": weight_decay, "lr": lr * query_lr_scale, "name": "queries"})
+    if lora_b:
+        groups.append({"params": lora_b, "weight_decay": weight_decay, "lr": lr * lora_b_lr_scale, "name": "lora_B"})
     if no_decay:
         groups.append({"params": no_decay, "weight_decay": 0.0})
     if not groups:
@@ -61,16 +70,18 @@ def parameter_groups(named: Iterable[tuple[str, nn.Parameter]], weight_decay: fl
 
 def build_optimizer(named: Iterable[tuple[str, nn.Parameter]], name: str = "AdamW", lr: float = 1e-3,
                     weight_decay: float = 0.0, kwargs: dict[str, Any] | None = None,
-                    query_lr_scale: float = 1.0) -> torch.optim.Optimizer:
-    if query_lr_scale <= 0:
-        raise ValueError(f"query_lr_scale must be > 0, got {query_lr_scale}")
-    return optimizer_class(name)(parameter_groups(named, weight_decay, lr, query_lr_scale), lr=lr, **(kwargs or {}))
+                    query_lr_scale: float = 1.0, lora_b_lr_scale: float = 1.0) -> torch.optim.Optimizer:
+    for label, scale in (("query_lr_scale", query_lr_scale), ("lora_b_lr_scale", lora_b_lr_scale)):
+        if scale <= 0:
+            raise ValueError(f"{label} must be > 0, got {scale}")
+    groups = parameter_groups(named, weight_decay, lr, query_lr_scale, lora_b_lr_scale)
+    return optimizer_class(name)(groups, lr=lr, **(kwargs or {}))
 
 
 def base_lr(optimizer: torch.optim.Optimizer) -> float:
-    """The current learning rate of the parameters at the base `lr` (not the scaled query group)."""
+    """The current learning rate of the parameters at the base `lr` (not a scaled, named group)."""
     groups = optimizer.param_groups
-    return float(next((g for g in groups if g.get("name") != "queries"), groups[0])["lr"])
+    return float(next((g for g in groups if "name" not in g), groups[0])["lr"])
 
 
 def lr_lambda(schedule: str, warmup_steps: int, total_steps: int | None, min_lr_ratio: float) -> Callable[[int], float]:
