@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -23,6 +24,9 @@ class EvalSet:
     batch8: dict[str, Any]              # a left-padded batch of 8 prompts for decode speed
     text_chunks: list[torch.Tensor]     # held-out Austen token chunks for perplexity
     calibration: list[dict[str, Any]]   # caption + text batches from the val splits (also rank blocks for removal)
+    replacement_calibration: list[tuple[dict[str, Any], torch.Tensor]] = field(default_factory=list)
+    """(inputs, real-token mask) batches from the *train* splits that the training-free linear replacement
+    baseline is fitted on (empty: that baseline is not measured)."""
 
 
 class Bench:
@@ -111,6 +115,21 @@ class Bench:
         return speed_ratio(self.model, inputs, method, self.base_method, self.pad, rounds=rounds or self.speed_rounds)
 
 
+def with_replacement(method: Method, model, spec, replacement, layers: list[int]) -> tuple[Method, bool]:
+    """`method` with a linear replacement (transforms, fitted layers) folded into the weights while it runs,
+    when `layers` are exactly the removed layers it was fitted for; else `method` unchanged. (method, applied)"""
+    if replacement is None or sorted(layers) != sorted(replacement[1]):
+        return method, False
+    from vlm_retrofit.replacement import replacements_folded
+
+    @contextlib.contextmanager
+    def replaced():
+        with replacements_folded(model, spec, replacement[0]), method() as report:
+            yield report
+
+    return replaced, True
+
+
 def _record(method: str, target: float, metrics: dict[str, Any], **extra: Any) -> dict[str, Any]:
     """One operating point: the results.json keys first, then every other measurement; `extra` overrides."""
     keys = ("compute_saved", "agreement", "ppl_ratio", "rouge_l", "decode_speedup_b1", "decode_speedup_b8")
@@ -171,6 +190,7 @@ def sweep(bench: Bench, targets: list[float], variants: list, speed_target: floa
     """Every method at every target, one record each; plus the router overhead with skipping off
     (`router_overhead`: wall-clock ratio to the base; `router_time_share`: routing's share of a routed decode)."""
     from vlm_retrofit import RouterAdapter, calibrate
+    from vlm_retrofit.replacement import load_replacements
 
     model, data, records = bench.model, bench.data, []
     overhead: dict[str, float | None] = {"router_overhead": None, "router_time_share": None}
@@ -185,6 +205,7 @@ def sweep(bench: Bench, targets: list[float], variants: list, speed_target: floa
             target_model = PeftModel.from_pretrained(load_model(), lora_dir).merge_and_unload().eval()
             bench.model = target_model
         adapter = RouterAdapter.from_pretrained(target_model, adapter_dir)
+        replacement = load_replacements(adapter_dir)  # applied only where its layers are the ones removed
         bench.base_method = adapter.disabled  # merged LoRA stays in it: speed ratios compare skipping alone
         if overhead["router_overhead"] is None and target_model is model:
             # Retrofit time ÷ base time with skipping off: routers attached vs disabled, measured alternately.
@@ -196,14 +217,17 @@ def sweep(bench: Bench, targets: list[float], variants: list, speed_target: floa
         for target in targets:
             settings = calibrate(adapter, data.calibration, target, variant.policy, store=False,
                                  tolerance=bench.tolerance).settings
-            metrics = bench.measure(lambda: adapter.skipping(variant.policy, **settings), speed=target == speed_target)
-            records.append(_record(f"ours-{variant.name}", target, metrics))
+            method, replaced = with_replacement(lambda s=settings: adapter.skipping(variant.policy, **s), target_model,
+                                                adapter.spec, replacement,
+                                                adapter.layout.layers_of_blocks(settings.get("blocks", [])))
+            metrics = bench.measure(method, speed=target == speed_target)
+            records.append(_record(f"ours-{variant.name}", target, metrics, **({"replacement": True} if replaced else {})))
             log(f"ours-{variant.name} @ {target:.2f}: {records[-1]}")
         order, layout, spec, router_config = adapter.removal_order, adapter.layout, adapter.spec, adapter.config
         adapter.detach()
         if variant.policy == "static" and target_model is not model:
             records += measure_pruned(bench, f"ours-{variant.name}-pruned", order, layout, spec, router_config,
-                                      targets, speed_target, log)
+                                      targets, speed_target, log, replacement=replacement)
         bench.model = model
         del target_model
     bench.base_method = nullmethod
@@ -214,9 +238,10 @@ def sweep(bench: Bench, targets: list[float], variants: list, speed_target: floa
 
 
 def measure_pruned(bench: Bench, name: str, order: list[int], layout, spec, router_config, targets: list[float],
-                   speed_target: float, log: Callable[[str], None]) -> list[dict[str, Any]]:
+                   speed_target: float, log: Callable[[str], None], *, replacement=None) -> list[dict[str, Any]]:
     """A LoRA-healed static variant shipped as a pruned release (`merge --prune-target`): the blocks the static
-    policy removes at each target are deleted from the weights and the trained routers are dropped.
+    policy removes at each target are deleted from the weights and the trained routers are dropped; a linear
+    `replacement` (transforms, fitted layers) is folded into the weights at the target that removes its layers.
 
     Quality is measured through routers at identity removing the same blocks (what the pruned model computes;
     tests/test_pruning.py checks the equality), decode speed with the layers deleted and no routers attached.
@@ -229,15 +254,20 @@ def measure_pruned(bench: Bench, name: str, order: list[int], layout, spec, rout
     identity = attach_routers(bench.model, type(router_config).from_dict(router_config.to_dict()))
     for target in targets:
         blocks = static_prefix(list(order), layout, target)
-        metrics = bench.measure(lambda: identity.skipping("static", blocks=blocks), speed=False)
-        records.append(_record(name, target, metrics, settings={"blocks": blocks}))
+        method, replaced = with_replacement(lambda b=blocks: identity.skipping("static", blocks=b), bench.model, spec,
+                                            replacement, layout.layers_of_blocks(blocks))
+        metrics = bench.measure(method, speed=False)
+        records.append(_record(name, target, metrics, settings={"blocks": blocks},
+                               **({"replacement": True} if replaced else {})))
         log(f"{name} @ {target:.2f}: {records[-1]}")
     identity.detach()
     bench.base_method = nullmethod  # the plain model is the base: no hooks on either side
     for record in records:
         if record["target"] == speed_target:
             layers = layout.layers_of_blocks(record["settings"]["blocks"])
-            record.update(bench.measure_speed(lambda: layers_removed(bench.model, spec, layers)),
+            method, _ = with_replacement(lambda: layers_removed(bench.model, spec, layers), bench.model, spec,
+                                         replacement, layers)
+            record.update(bench.measure_speed(method),
                           speed_measured_as="layers deleted, no routers attached (the pruned release)")
             log(f"{name} @ {record['target']:.2f} decode: {record['decode_speedup_b1']:.3f}x (B=1), "
                 f"{record['decode_speedup_b8']:.3f}x (B=8)")
@@ -246,8 +276,8 @@ def measure_pruned(bench: Bench, name: str, order: list[int], layout, spec, rout
 
 def measure_baselines(bench: Bench, targets: list[float], speed_target: float, removal_order: list[int],
                       joint_order: list[int], log: Callable[[str], None], *, cache: Path, key: dict[str, Any], reuse: bool) -> list[dict[str, Any]]:
-    """Static removal (Block Influence, greedy by single-block impact, greedy joint), random skipping and the update
-    oracle at every target.
+    """Static removal (Block Influence, greedy by single-block impact, greedy joint, greedy joint with a linear
+    replacement of the removed spans), random skipping and the update oracle at every target.
 
     Their quality is a deterministic function of the model, the eval set and the settings. With `reuse`, the
     records of an earlier run with the same key (settings, removal order, the base's outputs) are taken from
@@ -273,6 +303,28 @@ def measure_baselines(bench: Bench, targets: list[float], speed_target: float, r
     layout = identity.layout
 
     deleted: list[dict[str, Any]] = []  # static records at the speed target: timed later without any routers
+
+    def replaced_point(target: float) -> None:
+        # ReplaceMe-style, training-free: the greedy joint removal, each removed span replaced by a least-squares
+        # map folded into the layer in front of it, fitted on train-split batches. Same cost as plain removal.
+        from vlm_retrofit.replacement import fit_replacements
+
+        name = "static-greedy-joint-replaced"
+        blocks = calibrate(identity, data.calibration, target, "static", store=False, order=joint_order).settings["blocks"]
+        settings = {"blocks": blocks, "replacement_batches": len(data.replacement_calibration)}
+        before = earlier.get((name, target))
+        if before is not None and before.get("settings") == settings:
+            records.append({**before, "quality_from_earlier_run": True})
+        else:
+            layers = layout.layers_of_blocks(blocks)
+            with identity.disabled():
+                transforms = fit_replacements(model, identity.spec, layers, data.replacement_calibration)
+            method, _ = with_replacement(lambda: identity.skipping("static", blocks=blocks), model, identity.spec,
+                                         (transforms, layers), layers)
+            records.append(_record(name, target, bench.measure(method, speed=False), settings=settings))
+        if target == speed_target:  # folding changes weights, not cost: timed as the plain removal is
+            deleted.append(records[-1])
+        log(f"{name} @ {target:.2f}: {records[-1]}")
 
     def point(name: str, target: float, policy: str, settings: Callable[[], dict[str, Any]]) -> None:
         # Static removal is timed as shipped (layers deleted, below); random needs the routing machinery.
@@ -300,6 +352,8 @@ def measure_baselines(bench: Bench, targets: list[float], speed_target: float, r
                 identity, data.calibration, t, "static", store=False, order=o).settings)
         point("random", target, "random", lambda t=target: calibrate(
             identity, data.calibration, t, "random", store=False, tolerance=bench.tolerance).settings)
+        if data.replacement_calibration:
+            replaced_point(target)
     skippable_layers = layout.layers_of_blocks(layout.skippable_blocks)
     identity.detach()
     bench.base_method = nullmethod
@@ -361,6 +415,15 @@ def build_eval_set(processor, manifest: dict[str, Any], args) -> EvalSet:
         data.setup("validate")
         for batch, _ in zip(data.val_dataloader(), range(args.calibration_batches)):
             calibration.append(model_inputs(batch))
+    replacement_calibration = []
+    for name in ("captions-train", "austen-train"):  # read in order, like the val splits above
+        data = WebDatasetDataModule(processor=args.backbone, val_shards=manifest["shards"][name]["dir"],
+                                    train_shards=manifest["shards"][name]["dir"], batch_size=4, num_workers=0,
+                                    max_length=384, add_quality_callback=False)
+        data.setup("validate")
+        for batch, _ in zip(data.val_dataloader(), range(args.replacement_batches)):
+            inputs = model_inputs(batch)
+            replacement_calibration.append((inputs, inputs["attention_mask"].bool()))
     text = Path(manifest["austen_test"]["path"]).read_text()
     def to(inputs: dict[str, Any]) -> dict[str, Any]:
         return {k: v.to(args.device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
@@ -368,4 +431,5 @@ def build_eval_set(processor, manifest: dict[str, Any], args) -> EvalSet:
     return EvalSet(captions=[to(c) for c in captions], references=[caption for _, caption in test],
                    batch8=to(prompt_inputs(processor, (images * 8)[:8])),
                    text_chunks=[c.to(args.device) for c in _chunks(tokenizer, text, args.chunk_tokens, args.text_chunks)],
-                   calibration=[to(b) for b in calibration])
+                   calibration=[to(b) for b in calibration],
+                   replacement_calibration=[(to(b), m.to(args.device)) for b, m in replacement_calibration])

@@ -17,7 +17,9 @@ from bench.run import VARIANTS, selected_variants  # noqa: E402
 from bench.evaluate import nullmethod, perplexity, routing_share, timed_routing  # noqa: E402
 from bench.sweep import Bench, EvalSet, measure_baselines, measure_pruned  # noqa: E402
 from vlm_retrofit import RouterConfig, attach_routers  # noqa: E402
+from vlm_retrofit.backbones import resolve  # noqa: E402
 from vlm_retrofit.pruning import prune_layers  # noqa: E402
+from vlm_retrofit.replacement import fit_replacements, fold_replacements  # noqa: E402
 from vlm_retrofit.testing import tiny_inputs, tiny_vlm  # noqa: E402
 
 QUALITY = ("agreement", "kl", "ppl_ratio", "rouge_l", "compute_saved", "skipped_fraction")
@@ -78,9 +80,36 @@ def test_baselines_are_reused_only_under_the_same_key_and_their_speed_is_measure
         assert all(new[k] == old[k] for k in QUALITY if k in old)  # quality is deterministic
 
 
-def test_pruned_release_records_measure_what_the_pruned_model_computes(tmp_path):
+def _pruned_ppl(bench, layers, transforms=None):
     import copy
 
+    pruned = copy.deepcopy(bench.model)
+    spec = resolve(pruned)
+    if transforms:
+        fold_replacements(pruned, spec, transforms)
+    prune_layers(pruned, spec, layers)
+    return perplexity(pruned, bench.data.text_chunks, nullmethod) / bench.base["ppl"]
+
+
+def test_replacement_baseline_measures_the_folded_pruned_model(tmp_path):
+    bench = _bench()
+    batches = bench.data.calibration + [dict(tiny_inputs(bench.processor, batch=3))]
+    bench.data.replacement_calibration = [(b, b["attention_mask"].bool()) for b in batches]
+    records = _run(bench, tmp_path / "baselines.json", {}, reuse=False)
+    replaced = next(r for r in records if r["method"] == "static-greedy-joint-replaced")
+    plain = next(r for r in records if r["method"] == "static-greedy-joint")
+    assert replaced["settings"] == {"blocks": [3, 4], "replacement_batches": 2} and plain["settings"]["blocks"] == [3, 4]
+    assert replaced["speed_measured_as"] == plain["speed_measured_as"] and replaced["decode_speedup_b1"] > 0
+    assert replaced["compute_saved"] == plain["compute_saved"]
+    transforms = fit_replacements(bench.model, resolve(bench.model), [3, 4], bench.data.replacement_calibration)
+    assert abs(replaced["ppl_ratio"] - _pruned_ppl(bench, [3, 4], transforms)) < 1e-4
+    assert abs(plain["ppl_ratio"] - _pruned_ppl(bench, [3, 4])) < 1e-4
+    assert abs(replaced["ppl_ratio"] - plain["ppl_ratio"]) > 1e-4
+    again = _run(bench, tmp_path / "baselines.json", {}, reuse=True)
+    assert next(r for r in again if r["method"] == "static-greedy-joint-replaced")["quality_from_earlier_run"]
+
+
+def test_pruned_release_records_measure_what_the_pruned_model_computes(tmp_path):
     bench = _bench()
     adapter = attach_routers(bench.model, RouterConfig(block_size=1))
     layout, spec, config = adapter.layout, adapter.spec, adapter.config
@@ -91,10 +120,18 @@ def test_pruned_release_records_measure_what_the_pruned_model_computes(tmp_path)
     assert records[0]["decode_speedup_b1"] > 0 and records[1]["decode_speedup_b1"] is None
     assert "pruned release" in records[0]["speed_measured_as"]
     assert not any(layer._forward_pre_hooks for layer in spec.get_layers(bench.model))  # identity routers detached
-    pruned = copy.deepcopy(bench.model)
-    prune_layers(pruned, spec, [2, 3])
-    ppl = perplexity(pruned, bench.data.text_chunks, nullmethod)
-    assert abs(records[0]["ppl_ratio"] - ppl / bench.base["ppl"]) < 1e-4
+    assert abs(records[0]["ppl_ratio"] - _pruned_ppl(bench, [2, 3])) < 1e-4
+    assert "replacement" not in records[0]
+
+    # A variant's linear replacement is folded in where its layers are the ones removed, and only there.
+    transforms = {1: torch.eye(64) + 0.05 * torch.randn(64, 64, generator=torch.Generator().manual_seed(0))}
+    weights = {k: v.clone() for k, v in bench.model.state_dict().items()}
+    replaced = measure_pruned(bench, "ours-x-pruned", [2, 3, 1, 4], layout, spec, config, [0.25, 0.5], 0.25,
+                              lambda message: None, replacement=(transforms, [2, 3]))
+    assert [r.get("replacement", False) for r in replaced] == [True, False]
+    assert abs(replaced[0]["ppl_ratio"] - _pruned_ppl(bench, [2, 3], transforms)) < 1e-4
+    assert replaced[1]["ppl_ratio"] == records[1]["ppl_ratio"]
+    assert all(torch.equal(v, weights[k]) for k, v in bench.model.state_dict().items())  # unfolded afterwards
 
 
 def test_report_writes_json_markdown_and_plot(tmp_path):

@@ -12,6 +12,7 @@ from torch import nn
 
 from .backbones.registry import BackboneSpec, unwrap_model
 from .release import RELEASE_CONFIG, RELEASE_FORMAT, Loaded, real_logits
+from .replacement import check_replacements, fold_replacements
 from .routing import RouterAdapter, RouterConfig, attach_routers
 from .skipping.calibrate import static_prefix
 
@@ -111,11 +112,17 @@ def prune_for_release(loaded: Loaded, blocks: list[int], inputs: dict[str, Any])
     model with the same blocks removed).
     """
     model, adapter = loaded.model, loaded.adapter
+    layers = adapter.layout.layers_of_blocks(blocks)
+    if loaded.replacement is not None:  # refused before any work when fitted for other layers
+        transforms, fitted_for = loaded.replacement
+        hidden_size = int(adapter.spec.get_text_config(model).hidden_size)
+        check_replacements(transforms, layers, fitted_for, hidden_size=hidden_size, source="the adapter")
     if loaded.lora:
         model = model.merge_and_unload()  # the router hooks sit on layer instances and survive this
+    if loaded.replacement is not None:  # acts on the merged projection, as it did in training
+        fold_replacements(model, adapter.spec, loaded.replacement[0])
     with adapter.skipping("static", blocks=blocks):
         routed = real_logits(model, inputs)
-    layers = adapter.layout.layers_of_blocks(blocks)
     num_layers, spec, router_config = adapter.layout.num_layers, adapter.spec, adapter.config
     adapter.detach()
     identity = attach_routers(model, RouterConfig.from_dict(router_config.to_dict()))

@@ -17,6 +17,7 @@ from torch import nn
 from .backbones import base_fingerprint, unwrap_model
 from .backbones.loading import load_backbone, load_processor
 from .routing import AdapterMismatchError, RouterAdapter, RouterConfig, attach_routers, check_fingerprint
+from .replacement import load_replacements
 from .routing.adapter import CONFIG_NAME, read_adapter_config
 
 RELEASE_CONFIG = "release_config.json"
@@ -41,6 +42,8 @@ class Loaded:
     base_model: dict[str, Any]
     lora: dict[str, Any] | None
     kind: str
+    replacement: tuple[dict[int, torch.Tensor], list[int]] | None = None
+    """A linear replacement of removed layers (`vlm_retrofit.replacement`) and the layers it was fitted for."""
 
 
 def _load_kwargs(base_model: dict[str, Any]) -> dict[str, Any]:
@@ -84,14 +87,20 @@ def load_checkpoint(path: str | os.PathLike, base: str | None = None) -> Loaded:
         model = get_peft_model(model, LoraConfig(**lora))
     adapter = attach_routers(model, RouterConfig.from_dict(meta["router_config"]))
     state = checkpoint["state_dict"]
-    adapter.load_state_dict({k.removeprefix("adapter."): v for k, v in state.items() if k.startswith("adapter.")})
+    router_state = {k.removeprefix("adapter."): v for k, v in state.items() if k.startswith("adapter.")}
+    trained_routers = any(k.startswith("adapter.") for k in meta.get("trainable_keys", state))
+    if trained_routers:  # with `train_routers: false` the routers stayed at identity and were not saved
+        adapter.load_state_dict(router_state)
     lora_state = {k.removeprefix("model."): v for k, v in state.items() if k.startswith("model.")}
     if lora_state:
         result = model.load_state_dict(lora_state, strict=False)
         if result.unexpected_keys:
             raise AdapterMismatchError(f"{path}: LoRA tensors {result.unexpected_keys[:5]} do not fit the model")
     adapter.base_model = base_model
-    return Loaded(model.eval(), processor, adapter, base_model, dict(lora) if lora else None, "checkpoint")
+    replacement = None
+    if meta.get("replacements") is not None:
+        replacement = ({int(k): v for k, v in meta["replacements"].items()}, list(meta["replacement_layers"]))
+    return Loaded(model.eval(), processor, adapter, base_model, dict(lora) if lora else None, "checkpoint", replacement)
 
 
 def load_adapter_folder(path: str | os.PathLike, base: str | None = None) -> Loaded:
@@ -108,7 +117,7 @@ def load_adapter_folder(path: str | os.PathLike, base: str | None = None) -> Loa
         lora = json.loads((path / "lora" / "adapter_config.json").read_text())
     adapter = RouterAdapter.from_pretrained(model, path)
     adapter.base_model = base_model
-    return Loaded(model.eval(), processor, adapter, base_model, lora, "adapter")
+    return Loaded(model.eval(), processor, adapter, base_model, lora, "adapter", load_replacements(path))
 
 
 def _load_release(directory: Path) -> Loaded:
@@ -300,6 +309,9 @@ def merge(source: str | os.PathLike, output: str | os.PathLike, *, base: str | N
         raise ValueError(f"{source} is a pruned release: it has no routers left to merge; merge the adapter or "
                          "checkpoint it came from")
     pruning = prune_blocks is not None or prune_target is not None
+    if loaded.replacement is not None and not pruning:
+        raise ValueError(f"{source} carries a linear replacement of layers {loaded.replacement[1]}, which only a "
+                         "pruned release can use: pass --prune-target (or --prune-blocks) for those layers")
     inputs = _sample_inputs(loaded.processor) if verify or pruning else None
     if pruning:
         from .pruning import blocks_to_prune, prune_for_release, write_pruned_release

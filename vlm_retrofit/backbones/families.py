@@ -23,7 +23,6 @@ STANDARD_FAMILIES = (
     "idefics3",
     "smolvlm",
     "paligemma",
-    "gemma3",
     "internvl",
     "llama",
     "qwen2",
@@ -32,3 +31,5 @@ STANDARD_FAMILIES = (
 for _model_type in STANDARD_FAMILIES:
     register_backbone(_model_type, STANDARD)
 register_backbone("qwen3_vl", BackboneSpec(never_skip_layers=_qwen3_vl_deepstack_layers))
+# Gemma 3 normalises the MLP output (post_feedforward_layernorm) before adding it to the stream.
+register_backbone("gemma3", BackboneSpec(mlp_output_attr=None))

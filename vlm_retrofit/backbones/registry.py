@@ -92,6 +92,9 @@ class BackboneSpec:
     """Layers that must never be skipped (e.g. where visual features are injected into the stream)."""
     image_token_ids: Callable[[Any], frozenset[int]] = _default_image_token_ids
     """Input ids that are placeholders for visual features."""
+    mlp_output_attr: str | None = "mlp.down_proj"
+    """Dotted path, within a decoder layer, of the linear layer whose output is added to the stream unchanged as
+    the MLP update (where a linear replacement of removed layers is folded); None where a norm follows it."""
 
     # -- accessors -------------------------------------------------------------------------------------
     def get_decoder(self, model: nn.Module) -> nn.Module:

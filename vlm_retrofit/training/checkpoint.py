@@ -31,6 +31,8 @@ def checkpoint_metadata(module: "RetrofitModule") -> dict[str, Any]:
         "layout": module.adapter.layout.to_dict(),
         "lora": module.hparams.lora,
         "removal_order": module.adapter.removal_order,
+        "replacements": None if module.replacements is None else {str(k): v for k, v in module.replacements.items()},
+        "replacement_layers": None if module.replacements is None else module.replacement_layers(),
         "trainable_keys": sorted(module.trainable_keys()),
         "nonfinite_steps": module.nonfinite_steps,
         "nonfinite_streak": module.nonfinite_streak,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import logging
 import math
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ from ..routing import RouterConfig, attach_routers
 from ..backbones import unwrap_model
 from ..backbones.loading import load_backbone
 from ..pruning import layers_removed
+from ..replacement import fit_replacements, output_projection, replacements_applied, save_replacements
 from .checkpoint import CHECKPOINT_KEY, check_checkpoint, checkpoint_metadata
 from .losses import (PENALTIES, compute_penalty, distillation_kl, drop_rate_at, hidden_state_distillation,
                      routing_entropies)
@@ -82,6 +84,9 @@ class RetrofitModule(pl.LightningModule):
         backbone_kwargs: dict[str, Any] | None = None,
         temperature: float = 1.0,
         hidden_weight: float = 0.0,
+        replace_removed: bool = False,
+        replacement_batches: int = 16,
+        replacement_ridge: float = 0.1,
         distill_positions: Literal["response", "text"] = "response",
         max_drop_rate: float = 0.25,
         drop_warmup_steps: int = 20,
@@ -135,6 +140,16 @@ class RetrofitModule(pl.LightningModule):
                 teacher's hidden state after every kept layer from the first removed one on, at the KL's positions
                 (`hidden_state_distillation`): a dense target for every layer that the logits reach only through
                 the layers above it. 0 = logits only.
+            replace_removed: before training, fit a linear replacement of the removed layers on the first
+                `replacement_batches` training batches (`vlm_retrofit.replacement`: per removed span, a
+                least-squares map on the MLP output of the layer in front of it, toward the full model's stream
+                after the span) and keep it in the student while the LoRA heals: a better starting point at no
+                inference cost, since a pruned release folds it into that layer's weights. Needs
+                `train_routers: false` and one removal set (`min_removed_blocks == max_removed_blocks`); saved
+                with the adapter (`replacement.safetensors`) and in checkpoints.
+            replacement_batches: training batches the replacement is fitted on (their KL positions).
+            replacement_ridge: ridge term of that fit, pulling it toward plain removal (relative to the mean
+                diagonal of the normal equations; `fit_replacements`).
             distill_positions: where the KL is taken: `response` = the datamodule's `loss_mask` (the answer
                 tokens); `text` = every real, non-image position (prompts too: many more positions per batch
                 for short answers such as captions).
@@ -216,6 +231,13 @@ class RetrofitModule(pl.LightningModule):
         if hidden_weight and train_routers:
             raise ValueError("hidden_weight matches the hidden states of a student with layers removed to the "
                              "teacher's: it needs train_routers: false (LoRA healing of removed blocks)")
+        if replace_removed and (train_routers or min_removed_blocks != max_removed_blocks):
+            raise ValueError("replace_removed fits a replacement for one set of removed layers: it needs "
+                             "train_routers: false and min_removed_blocks == max_removed_blocks (got train_routers="
+                             f"{train_routers}, min_removed_blocks={min_removed_blocks}, max_removed_blocks="
+                             f"{max_removed_blocks})")
+        if replace_removed and replacement_batches < 1:
+            raise ValueError(f"replacement_batches must be >= 1, got {replacement_batches}")
         if max_nonfinite_steps < 1:
             raise ValueError(f"max_nonfinite_steps must be >= 1, got {max_nonfinite_steps}")
         self.save_hyperparameters(ignore=["router"])
@@ -235,6 +257,10 @@ class RetrofitModule(pl.LightningModule):
         self.adapter = attach_routers(model, router_cfg)
         if not train_routers:
             self.adapter.requires_grad_(False)  # identity routing, neither trained nor checkpointed
+        self.replacements: dict[int, Tensor] | None = None
+        """Linear replacement of the removed layers (`replace_removed`), keyed by the layer that carries it."""
+        if replace_removed:  # a family that cannot fold one is refused here, before any work
+            output_projection(self.adapter.spec, self.adapter.spec.get_layers(model)[0])
         self.adapter.base_model = {"name": backbone, "kwargs": dict(backbone_kwargs or {}), "torch_dtype": torch_dtype,
                                    "attn_implementation": attn_implementation, "model_class": model_class,
                                    "trust_remote_code": trust_remote_code}
@@ -287,12 +313,48 @@ class RetrofitModule(pl.LightningModule):
             yield
 
     def save_adapter(self, directory: str | Path) -> Path:
-        """Write the routers as `adapter_config.json` + `adapter_model.safetensors` (and LoRA under `lora/`)."""
+        """Write the routers as `adapter_config.json` + `adapter_model.safetensors` (LoRA under `lora/`, a
+        linear replacement of the removed layers as `replacement.safetensors`)."""
         directory = Path(directory)
         self.adapter.save_pretrained(directory)
         if self.hparams.lora:
             self.model.save_pretrained(directory / "lora")
+        if self.replacements is not None:
+            save_replacements(directory, self.replacements, self.replacement_layers())
         return directory
+
+    def replacement_layers(self) -> list[int]:
+        """The decoder layers the removal schedule removes at its largest k (what a replacement is fitted for)."""
+        return self.adapter.layout.layers_of_blocks(self.removed_blocks(0, largest=True))
+
+    def on_fit_start(self) -> None:
+        if self.hparams.replace_removed and self.replacements is None:  # a resumed run keeps its checkpoint's
+            self.fit_replacement()
+
+    def fit_replacement(self, batches: list[Mapping[str, Any]] | None = None) -> dict[int, Tensor]:
+        """Fit the `replace_removed` replacement against the frozen base on `batches` (default: the first
+        `replacement_batches` of the datamodule's training data); every rank keeps rank 0's."""
+        if batches is None:
+            datamodule = self.trainer.datamodule
+            if datamodule is None:
+                raise RuntimeError("replace_removed fits on the training data: fit with a datamodule")
+            loader = datamodule.train_dataloader()
+            batches = [self.transfer_batch_to_device(batch, self.device, 0)
+                       for batch in itertools.islice(loader, int(self.hparams.replacement_batches))]
+        if not batches:
+            raise ValueError("replace_removed: the training data gave no batch to fit the replacement on")
+        self._ensure_removal_order(batches[0])
+        precision = self.trainer.precision_plugin.forward_context() if self._trainer is not None else contextlib.nullcontext()
+        with self.teacher(), precision:
+            transforms = fit_replacements(self.model, self.adapter.spec, self.replacement_layers(),
+                                          [self.model_inputs(batch) for batch in batches],
+                                          ridge=float(self.hparams.replacement_ridge))
+        if self._trainer is not None:
+            transforms = self.trainer.strategy.broadcast(transforms, src=0)
+        self.replacements = {int(k): v.to(self.device) for k, v in transforms.items()}
+        log.info("linear replacement of layers %s fitted on %d batches (carried by layers %s)",
+                 self.replacement_layers(), len(batches), sorted(self.replacements))
+        return self.replacements
 
     # ------------------------------------------------------------------ the loss
     def model_inputs(self, batch: Mapping[str, Any]) -> tuple[dict[str, Any], Tensor]:
@@ -404,7 +466,9 @@ class RetrofitModule(pl.LightningModule):
         sim = None
         if not self.hparams.train_routers:  # identity routing is the plain residual stream: the layers just go
             layers = layout.layers_of_blocks(removed)
-            with self.adapter.disabled(), layers_removed(self.model, self.adapter.spec, layers):
+            replacement = self.replacements if self.replacements and removed else {}
+            with (self.adapter.disabled(), replacements_applied(self.model, self.adapter.spec, replacement),
+                  layers_removed(self.model, self.adapter.spec, layers)):
                 student = self._forward(inputs, keep)
         else:
             sim = self.simulation(drop_rate, seed, removed)
@@ -555,5 +619,7 @@ class RetrofitModule(pl.LightningModule):
         meta = check_checkpoint(self, checkpoint)  # refuses a mismatched checkpoint before anything is loaded
         if meta.get("removal_order") is not None:
             self._set_removal_order(meta["removal_order"])  # a resumed run keeps the schedule it started with
+        if meta.get("replacements") is not None:
+            self.replacements = {int(k): v for k, v in meta["replacements"].items()}
         self.nonfinite_steps = int(meta.get("nonfinite_steps", 0))
         self.nonfinite_streak = int(meta.get("nonfinite_streak", 0))
