@@ -86,9 +86,10 @@ VARIANTS = {
                                     fixed_removal=True, joint_order=True, steps=240),
     # The same healing started from a linear replacement of the removed layers (`replace_removed`): each removed
     # span replaced by a least-squares map on the MLP output of the layer in front of it, fitted on 32 training
-    # batches before the first step (~2 min on 2 CPU cores, inside the 20 min: hence 225 steps) and folded into
-    # that layer's down_proj at release. Training-free, it took the 20 % joint removal from x1.80 to x1.29-1.34
-    # val perplexity (12-32 k Austen tokens).
+    # batches before the first step (~1.5 min on 2 CPU cores, inside the 20 min: hence 225 steps) and folded into
+    # that layer's down_proj at release. Training-free the map alone takes the 20 % removal from x1.80 to x1.37 val
+    # perplexity, but 240 steps of LoRA from it ended worse than from plain removal (val x1.157 against x1.116 with
+    # 32 fit batches; x1.190 at lr 5e-4; x1.155 with 64 batches): not in the default list (RESULTS.md, probes).
     "lora_mlp_joint_replaced": Variant("lora_mlp_joint_replaced", "static", {"block_size": 1},
                                        {**ROUTED, "lora": LORA_ALL, "train_routers": False, "lora_b_lr_scale": 4.0,
                                         "replace_removed": True, "replacement_batches": 32},
