@@ -181,3 +181,34 @@ def test_pruned_release_of_the_real_vlm_is_a_shallower_stock_llava(real, tmp_pat
         tokens = pruned.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)
     torch.testing.assert_close(logits, expected, atol=1e-3, rtol=0)  # logits reach ~38: fp32 noise of the stream
     assert tokens.shape[1] == inputs["input_ids"].shape[1] + NEW_TOKENS
+
+
+def test_linear_replacement_lowers_held_out_perplexity_of_a_removal(real):
+    """The removal the demo ships (6 greedy-joint layers), replaced by least-squares maps fitted on Austen train text,
+    costs far less perplexity on Austen val text than plain removal (measured: x1.80 -> x1.33 with 48 chunks)."""
+    import contextlib
+
+    from bench.data import austen_split
+    from bench.evaluate import perplexity
+    from bench.sweep import _chunks
+    from vlm_retrofit.pruning import layers_removed
+    from vlm_retrofit.replacement import fit_replacements, replacements_folded
+
+    model, processor = real
+    spec, tokenizer = resolve(model), processor.tokenizer
+    layers = [13, 14, 16, 17, 18, 26]
+    fit = [(dict(input_ids=ids[None]), torch.ones(1, len(ids), dtype=torch.bool))
+           for ids in _chunks(tokenizer, "\n\n".join(austen_split("train")), 256, 24)]
+    held_out = _chunks(tokenizer, "\n\n".join(austen_split("val")), 256, 8)
+    transforms = fit_replacements(model, spec, layers, fit)
+    assert sorted(transforms) == [12, 15, 25]
+    base = perplexity(model, held_out, contextlib.nullcontext)
+    plain = perplexity(model, held_out, lambda: layers_removed(model, spec, layers)) / base
+
+    @contextlib.contextmanager
+    def replaced():
+        with replacements_folded(model, spec, transforms), layers_removed(model, spec, layers):
+            yield
+
+    ratio = perplexity(model, held_out, replaced) / base
+    assert plain > 1.5 and ratio < 1.5 and ratio < plain - 0.2, (plain, ratio)
