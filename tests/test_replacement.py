@@ -1,6 +1,8 @@
 """Linear replacement of removed layers: the fit beats plain removal on its data, hooks equal folded weights,
 refusals (layer 0, Gemma's normed MLP output, a replacement fitted for other layers)."""
 
+import json
+
 import pytest
 import torch
 
@@ -164,6 +166,9 @@ def test_module_fits_the_replacement_trains_with_it_resumes_it_and_ships_it_prun
     transforms, layers = load_trained(tmp_path / "adapter").replacement
     assert layers == [2, 3] and torch.equal(transforms[1], fitted[1].cpu())
     merge(ckpt, tmp_path / "pruned", prune_blocks=[2, 3])
+    config = json.loads((tmp_path / "pruned" / "release_config.json").read_text())
+    assert config["pruned"]["replacement_folded_into"] == [1]
+    assert "folded into the MLP output projections of layers [1]" in (tmp_path / "pruned" / "README.md").read_text()
     released, processor = load_release(tmp_path / "pruned")
     reference = load_checkpoint(ckpt)
     reference.adapter.detach()

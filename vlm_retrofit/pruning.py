@@ -134,6 +134,8 @@ def prune_for_release(loaded: Loaded, blocks: list[int], inputs: dict[str, Any])
     summary = {
         "removed_blocks": blocks, "removed_layers": removed, "num_layers_before": num_layers,
         "layer_compute_removed": len(removed) / num_layers,
+        # Layers (numbered as before pruning) whose down projection carries the folded linear replacement.
+        "replacement_folded_into": sorted(loaded.replacement[0]) if loaded.replacement is not None else None,
         "routers_dropped": {  # on the merge's sample inputs
             "kl_routed_to_pruned": float((routed_log.exp() * (routed_log - plain_log)).sum(-1).mean()),
             "top1_agreement": float((routed.argmax(-1) == expected.argmax(-1)).float().mean()),
@@ -170,6 +172,9 @@ def _pruned_model_card(config: dict[str, Any]) -> str:
         f"Decoder layers {pruned['removed_layers']} of {pruned['num_layers_before']} are deleted from the weights "
         f"({100 * pruned['layer_compute_removed']:.1f} % of decoder-layer compute)"
         + (", with the LoRA that healed their removal merged in." if config["lora"] else "."),
+        *([f"A linear replacement of the removed spans is folded into the MLP output projections of layers "
+           f"{pruned['replacement_folded_into']} (numbered as before pruning)."]
+          if pruned.get("replacement_folded_into") else []),
         "The trained depth routers were dropped: this is a plain model of the base's class, loadable with",
         "`transformers` alone from `model/` (processor in `processor/`), or with `vlm_retrofit.load_release`.",
         "",
