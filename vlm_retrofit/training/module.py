@@ -466,8 +466,7 @@ class RetrofitModule(pl.LightningModule):
         sim = None
         if not self.hparams.train_routers:  # identity routing is the plain residual stream: the layers just go
             layers = layout.layers_of_blocks(removed)
-            replacement = self.replacements if self.replacements and removed else {}
-            with (self.adapter.disabled(), replacements_applied(self.model, self.adapter.spec, replacement),
+            with (self.adapter.disabled(), replacements_applied(self.model, self.adapter.spec, self.replacements or {}),
                   layers_removed(self.model, self.adapter.spec, layers)):
                 student = self._forward(inputs, keep)
         else:
