@@ -43,9 +43,10 @@ PART_MB = 56.0
 LM_PREFIX = "model.language_model."
 NON_LM = "non_lm.safetensors"
 TIED = "lm_head.weight"  # the token embedding when tied (SmolLM2): rebuilt from the GGUF, not carried
-# What the bench imports beyond a stock PyTorch + Lightning + PEFT image, at the versions installed here.
-WHEELS = ("webdataset", "braceexpand", "gguf", "efficientnet-lite-pytorch", "transformers", "tokenizers",
-          "huggingface_hub")
+# What the bench imports beyond a stock PyTorch + Lightning image, at the versions installed here. Not tokenizers
+# nor huggingface_hub: the image's own satisfy transformers' ranges, and huggingface_hub 2 would need packages (httpx2)
+# such an image lacks.
+WHEELS = ("webdataset", "braceexpand", "gguf", "efficientnet-lite-pytorch", "transformers", "peft")
 
 
 def tensor_digest(tensor: torch.Tensor) -> str:

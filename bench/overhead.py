@@ -37,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="paired rounds per ratio (ABBA order; the median is printed)")
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="dtype of the weights")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
@@ -51,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     from vlm_retrofit.pruning import layers_removed
     from .sweep import prompt_inputs
 
-    model, processor = load_real_vlm()
+    model, processor = load_real_vlm(dtype=getattr(torch, args.dtype))
     model = model.to(args.device).eval()
     adapter = (RouterAdapter.from_pretrained(model, args.adapter) if args.adapter
                else attach_routers(model, RouterConfig(block_size=args.block_size)))
@@ -59,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     blocks = static_prefix(order, adapter.layout, args.target)  # what calibrate(..., 'static') removes
     pad = generation_pad_id(getattr(processor, "tokenizer", processor))
     images = [load_image(path) for path, _ in tuxpaint_split("val")[:8]]
-    print(f"threads {torch.get_num_threads()}, device {args.device}, adapter {args.adapter or 'routers at init'}, "
+    print(f"threads {torch.get_num_threads()}, device {args.device} ({args.dtype}), adapter {args.adapter or 'routers at init'}, "
           f"{adapter.layout.num_blocks} blocks of {adapter.config.block_size} layer(s), "
           f"static blocks {sorted(blocks)}")
     results = []

@@ -78,13 +78,17 @@ def write_report(results: dict[str, Any], out_dir: Path) -> None:
     ]
     share = results.get("router_time_share")
     if share is not None:
-        lines.append(f"* routing's share of a routed decode with skipping off (timed inside one generate call, batch 1): "
+        on_cuda = str(results.get("settings", {}).get("device", "cpu")).startswith("cuda")
+        # On CUDA the timers inside the call see the host's kernel launches, not the GPU's work.
+        lines.append(f"* routing's share of a routed decode with skipping off (timed inside one generate call, batch 1"
+                     f"{', host time: kernel launches, not GPU work' if on_cuda else ''}): "
                      f"{share:.1%}, i.e. overhead {1 / (1 - share):.3f} before hook dispatch and cache effects")
     for name, info in results["training"].items():
         took = (f"{info['fit_seconds'] / 60:.1f} of {info['minutes']:g} min" if info.get("fit_seconds")
                 else f"{info['minutes']} min")  # older runs recorded the budget only
         lines.append(f"* training `{name}`: {info['steps']} steps in {took}, "
                      f"{info['step_seconds']:.2f} s/step (batch {info['batch_size']}), peak RSS {info['peak_rss_mb']:.0f} MB"
+                     + (f", peak CUDA memory {info['peak_cuda_mb']:.0f} MiB" if "peak_cuda_mb" in info else "")
                      + _recipe(info))
     lines += ["", "![compute saved vs quality](pareto.png)", "",
               "| method | target | compute saved (FLOPs, B=1 generate) | saved in decode | layer executions skipped | "

@@ -123,7 +123,7 @@ def _peak_rss_mb() -> float:
 def train_variant(variant: Variant, backbone: str, shards: dict[str, Any], minutes: float, batch_size: int, *,
                   removal_order: list[int], max_removed_blocks: int, speed_removed_blocks: int, runs: Path = RUNS,
                   device: str = "cpu",
-                  dtype: str | None = None, precision: str = "32-true") -> dict:
+                  dtype: str | None = None, precision: str = "32-true", num_workers: int = 1) -> dict:
     """Distil one router variant within a wall-clock budget; the adapter lands in RUNS/<name>/adapter.
 
     Variants evaluated with the static policy train under the removal schedule over `removal_order`.
@@ -147,24 +147,34 @@ def train_variant(variant: Variant, backbone: str, shards: dict[str, Any], minut
     module = RetrofitModule(backbone=backbone, model_class="bench.efficientnet_tower.LlavaForConditionalGeneration",
                             router=variant.router, torch_dtype=dtype, **module_args)
     data = WebDatasetDataModule(processor=backbone, train_shards=shards["train"], val_shards=shards["val"],
-                                batch_size=batch_size, num_workers=1, max_length=384, train_samples_per_epoch=100000,
+                                batch_size=batch_size, num_workers=num_workers, max_length=384, train_samples_per_epoch=100000,
                                 add_quality_callback=True)
     timings: list[float] = []
     kl_curve: list[float] = []
 
+    cuda = device.startswith("cuda")
+
+    def sync() -> None:  # CUDA kernels run asynchronously: a step's wall clock must wait for them
+        if cuda:
+            torch.cuda.synchronize()
+
     class StepTimer(pl.Callback):
         def on_train_batch_start(self, *args):
+            sync()
             self.start = time.perf_counter()
 
         def on_train_batch_end(self, trainer, *args):
+            sync()
             timings.append(time.perf_counter() - self.start)
             kl = trainer.callback_metrics.get("train/kl")
             kl_curve.append(float(kl) if kl is not None else float("nan"))
 
     trainer = pl.Trainer(max_time={"minutes": minutes}, max_steps=variant.steps or 100000, limit_val_batches=0, logger=False,
-                         accelerator="gpu" if device.startswith("cuda") else "cpu", devices=1, precision=precision,
+                         accelerator="gpu" if cuda else "cpu", devices=1, precision=precision,
                          enable_checkpointing=False, enable_progress_bar=False, callbacks=[StepTimer()],
                          default_root_dir=out, log_every_n_steps=10)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     fit_started = time.perf_counter()
     trainer.fit(module, data)
     fit_seconds = time.perf_counter() - fit_started
@@ -179,6 +189,7 @@ def train_variant(variant: Variant, backbone: str, shards: dict[str, Any], minut
             "train_routers": module.hparams.train_routers,
             "device": device, "dtype": dtype or "float32", "precision": precision,
             "step_seconds": sum(steady) / max(1, len(steady)), "peak_rss_mb": _peak_rss_mb(),
+            **({"peak_cuda_mb": round(torch.cuda.max_memory_allocated() / 2 ** 20, 1)} if cuda else {}),
             # Mean training KL per tenth of the run (the removal prefix is random per step: read the trend).
             "kl_curve": [sum(part) / len(part) for part in (kl_curve[i * len(kl_curve) // 10:(i + 1) * len(kl_curve) // 10]
                                                            for i in range(10)) if part],
@@ -208,6 +219,9 @@ def main(argv: list[str] | None = None) -> int:
                              "1.14-1.22x the steps per minute of float32 on 2 CPU cores, healing as much per sample), "
                              "else --dtype")
     parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--num-workers", type=int, default=1,
+                        help="data loader workers per training run (one keeps up with a 2-core CPU's steps; a GPU's "
+                             "steps need more)")
     parser.add_argument("--targets", type=float, nargs="+", default=[0.1, 0.2, 0.3],
                         help="fractions of decoder-layer executions to skip (matched across methods)")
     parser.add_argument("--speed-target", type=float, default=0.2, help="target at which decode speed is measured")
@@ -279,7 +293,8 @@ def main(argv: list[str] | None = None) -> int:
             variant, args.backbone, shards, args.train_minutes, args.batch_size,
             removal_order=joint_order if variant.joint_order else removal_order,
             max_removed_blocks=max_removed_blocks, speed_removed_blocks=speed_removed_blocks, runs=runs, device=args.device,
-            dtype=None if train_dtype == "float32" else train_dtype, precision=args.train_precision)
+            dtype=None if train_dtype == "float32" else train_dtype, precision=args.train_precision,
+            num_workers=args.num_workers)
         log(f"trained {variant.name}: {training[variant.name]}")
 
     bench = Bench(model, processor, data, args.new_tokens)

@@ -107,7 +107,7 @@ def fold_replacements(model: nn.Module, spec: BackboneSpec, transforms: Mapping[
         if not isinstance(projection, nn.Linear):
             raise TypeError(f"layer {index}'s MLP output projection is a {type(projection).__name__}, not a plain "
                             "nn.Linear: merge LoRA into the weights (merge_and_unload) before folding")
-        t = transform.to(torch.float64)
+        t = transform.to(device=projection.weight.device, dtype=torch.float64)  # fitted maps are kept on the CPU
         projection.weight.copy_((t.T @ projection.weight.to(torch.float64)).to(projection.weight.dtype))
         if projection.bias is not None:
             projection.bias.copy_((projection.bias.to(torch.float64) @ t).to(projection.bias.dtype))
