@@ -26,7 +26,8 @@ def measure(model, adapter, inputs: dict[str, Any], pad: int, method, rounds: in
     return speed_ratio(model, inputs, method, base_method, pad, rounds=rounds, new_tokens=new_tokens)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of `python -m bench.overhead`."""
     parser = argparse.ArgumentParser(prog="python -m bench.overhead", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--adapter", default=None, help="trained adapter folder (default: routers at init)")
@@ -38,7 +39,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="dtype of the weights")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
 

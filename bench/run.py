@@ -199,7 +199,8 @@ def train_variant(variant: Variant, backbone: str, shards: dict[str, Any], minut
 
 
 # -- entry point ------------------------------------------------------------------------------------------
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of `python -m bench.run`."""
     parser = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__)
     parser.add_argument("--variants", nargs="+",
                         default=["routed_static", "routed_static_lora_mlp_joint", "lora_mlp_joint_plain", "gate",
@@ -242,7 +243,11 @@ def main(argv: list[str] | None = None) -> int:
                              "measured them with the same settings and base outputs; their decode speed is still "
                              "measured in this run")
     parser.add_argument("--out", default=str(ROOT), help="where RESULTS.md, results.json and pareto.png go")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     Path(args.out).mkdir(parents=True, exist_ok=True)  # before the hours of work whose report goes there
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -177,3 +177,32 @@ def test_real_assets_survive_the_bundle(tmp_path, monkeypatch):
     ids = torch.tensor([[1, 504, 3458, 282, 4649, 314]])
     with torch.no_grad():
         assert torch.equal(model(input_ids=ids).logits, reference(input_ids=ids).logits)
+
+
+def _script_commands(script: Path, module: str) -> list[list[str]]:
+    """The arguments of every `"$PY" -m <module> ...` call in a shell script (continuation lines joined; `"$@"`
+    dropped, any other shell variable read as the loop value 1)."""
+    import shlex
+
+    text = script.read_text().replace("\\\n", " ")
+    calls = []
+    for line in text.splitlines():
+        marker = f'"$PY" -m {module} '
+        if marker in line:
+            words = shlex.split(line.split(marker, 1)[1].split(";")[0])
+            calls.append(["1" if w.startswith("$") else w for w in words if w != "$@"])
+    return calls
+
+
+def test_gpu_script_passes_only_arguments_its_commands_accept():
+    from bench import overhead, run
+
+    script = ROOT / "bench" / "gpu_bench.sh"
+    runs = _script_commands(script, "bench.run")
+    overheads = _script_commands(script, "bench.overhead")
+    assert len(runs) == 1 and overheads, "gpu_bench.sh calls bench.run once and bench.overhead"
+    args = run.build_parser().parse_args(runs[0])  # an unknown flag or variant exits here
+    assert args.device == "cuda" and args.dtype == "bfloat16"
+    assert args.train_steps * 0.46 <= args.train_minutes * 60, "the cosine decay must fit the cap at the H200's pace"
+    for call in overheads:
+        assert overhead.build_parser().parse_args(call).device == "cuda"
