@@ -16,6 +16,11 @@ from .evaluate import (Method, decode_speed, greedy, nullmethod, paired_speed_ra
                        routing_share, speed_ratio, teacher_forced)
 
 
+# What the cached removal searches scored (vlm_retrofit.skipping.calibrate.scored_positions); earlier caches
+# scored image positions too and are searched again.
+SCORED_ON = "real text positions"
+
+
 # -- measuring ---------------------------------------------------------------------------------------------
 @dataclass
 class EvalSet:
@@ -147,7 +152,7 @@ def rank_blocks(model, calibration: list[dict[str, Any]], runs: Path, log: Calla
     from vlm_retrofit.skipping import removal_impact
 
     path = runs / "removal_order.json"
-    if path.is_file():
+    if path.is_file() and json.loads(path.read_text()).get("scored_on") == SCORED_ON:
         return json.loads(path.read_text())["order"]
     identity = attach_routers(model, RouterConfig(block_size=1))
     impact = removal_impact(identity, calibration)
@@ -155,7 +160,7 @@ def rank_blocks(model, calibration: list[dict[str, Any]], runs: Path, log: Calla
     order = sorted(impact, key=impact.__getitem__)
     log("single-block removal impact (KL per token, val): " + ", ".join(f"{b}:{impact[b]:.3f}" for b in order))
     runs.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"order": order, "impact": impact}, indent=2) + "\n")
+    path.write_text(json.dumps({"order": order, "impact": impact, "scored_on": SCORED_ON}, indent=2) + "\n")
     return order
 
 
@@ -173,19 +178,51 @@ def joint_removal_order(model, calibration: list[dict[str, Any]], removal_order:
     pool = removal_order[:candidates]
     if path.is_file():
         saved = json.loads(path.read_text())
-        if saved["candidates"] == pool and len(saved["order"]) >= num_blocks:
+        if saved["candidates"] == pool and len(saved["order"]) >= num_blocks and saved.get("scored_on") == SCORED_ON:
             return saved["order"][:num_blocks]
     identity = attach_routers(model, RouterConfig(block_size=1))
     order, costs = greedy_removal_order(identity, calibration, num_blocks, candidates=pool)
     identity.detach()
     log("greedy joint removal (KL per token after each pick, val): " + ", ".join(f"{b}:{c:.3f}" for b, c in zip(order, costs)))
-    path.write_text(json.dumps({"order": order, "kl": costs, "candidates": pool}, indent=2) + "\n")
+    path.write_text(json.dumps({"order": order, "kl": costs, "candidates": pool, "scored_on": SCORED_ON}, indent=2) + "\n")
     return order
+
+
+def span_removal_order(model, calibration: list[dict[str, Any]], removal_order: list[int], span_blocks: int,
+                       num_blocks: int, runs: Path, log: Callable[[str], None], candidates: int = 14) -> list[int]:
+    """The run of `span_blocks` adjacent blocks whose removal costs the least KL on the val calibration batches
+    (ordered by single-block impact), then greedy joint removal continued from it among the `candidates` cheapest
+    blocks up to `num_blocks`; cached on disk. Greedy joint removal alone never reaches sets whose members are
+    costly alone but cheap together (layer 15 of SmolLM2-135M)."""
+    from vlm_retrofit import RouterConfig, attach_routers
+    from vlm_retrofit.skipping import best_removal_span, greedy_removal_order
+
+    path = runs / "span_removal_order.json"
+    pool = removal_order[:candidates]
+    if path.is_file():
+        saved = json.loads(path.read_text())
+        if (saved["candidates"] == pool and saved["span_blocks"] == span_blocks and len(saved["order"]) >= num_blocks
+                and saved.get("scored_on") == SCORED_ON):
+            return saved["order"][:num_blocks]
+    identity = attach_routers(model, RouterConfig(block_size=1))
+    span, costs = best_removal_span(identity, calibration, span_blocks)
+    span = [b for b in removal_order if b in span]
+    order, kl = (greedy_removal_order(identity, calibration, num_blocks, candidates=pool, start=span)
+                 if num_blocks > span_blocks else (span, []))
+    identity.detach()
+    cheapest = sorted(costs, key=costs.__getitem__)[:3]
+    log(f"removal spans of {span_blocks} (KL per token, val; the cheapest 3 by first block): "
+        + ", ".join(f"{b}:{costs[b]:.3f}" for b in cheapest)
+        + "; then greedy joint: " + ", ".join(f"{b}:{c:.3f}" for b, c in zip(order[len(span):], kl[len(span):])))
+    runs.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"order": order, "span_blocks": span_blocks, "span_kl": costs, "kl": kl,
+                                "candidates": pool, "scored_on": SCORED_ON}, indent=2) + "\n")
+    return order[:num_blocks]
 
 
 def sweep(bench: Bench, targets: list[float], variants: list, speed_target: float, removal_order: list[int],
           joint_order: list[int], load_model: Callable[[], Any], runs: Path, log: Callable[[str], None], *,
-          baseline_key: dict[str, Any] | None = None, reuse_baselines: bool = False
+          baseline_key: dict[str, Any] | None = None, reuse_baselines: bool = False, span_order: list[int] | None = None
           ) -> tuple[list[dict[str, Any]], dict[str, float | None]]:
     """Every method at every target, one record each; plus the router overhead with skipping off
     (`router_overhead`: wall-clock ratio to the base; `router_time_share`: routing's share of a routed decode)."""
@@ -233,7 +270,7 @@ def sweep(bench: Bench, targets: list[float], variants: list, speed_target: floa
     bench.base_method = nullmethod
 
     records += measure_baselines(bench, targets, speed_target, removal_order, joint_order, log, cache=runs / "baselines.json",
-                                 key=baseline_key or {}, reuse=reuse_baselines)
+                                 key=baseline_key or {}, reuse=reuse_baselines, span_order=span_order)
     return records, overhead
 
 
@@ -275,9 +312,11 @@ def measure_pruned(bench: Bench, name: str, order: list[int], layout, spec, rout
 
 
 def measure_baselines(bench: Bench, targets: list[float], speed_target: float, removal_order: list[int],
-                      joint_order: list[int], log: Callable[[str], None], *, cache: Path, key: dict[str, Any], reuse: bool) -> list[dict[str, Any]]:
+                      joint_order: list[int], log: Callable[[str], None], *, cache: Path, key: dict[str, Any], reuse: bool,
+                      span_order: list[int] | None = None) -> list[dict[str, Any]]:
     """Static removal (Block Influence, greedy by single-block impact, greedy joint, greedy joint with a linear
-    replacement of the removed spans), random skipping and the update oracle at every target.
+    replacement of the removed spans, and, given `span_order`, the cheapest span continued greedily), random
+    skipping and the update oracle at every target.
 
     Their quality is a deterministic function of the model, the eval set and the settings. With `reuse`, the
     records of an earlier run with the same key (settings, removal order, the base's outputs) are taken from
@@ -291,7 +330,8 @@ def measure_baselines(bench: Bench, targets: list[float], speed_target: float, r
 
     model, data, records = bench.model, bench.data, []
     key = {**key, "targets": list(targets), "speed_target": speed_target, "removal_order": list(removal_order),
-           "base": bench.fingerprint()}
+           "base": bench.fingerprint(), "oracle_calibration": "bisected to the realised fraction",
+           "span_order": list(span_order or [])}
     stored = json.loads(cache.read_text()) if reuse and cache.is_file() else {}
     earlier = {(r["method"], r["target"]): r for r in stored.get("records", [])} if stored.get("key") == key else {}
     if reuse:
@@ -347,7 +387,7 @@ def measure_baselines(bench: Bench, targets: list[float], speed_target: float, r
 
     for target in targets:
         for name, order in (("static-block-influence", None), ("static-greedy-impact", removal_order),
-                            ("static-greedy-joint", joint_order)):
+                            ("static-greedy-joint", joint_order), *([("static-span", span_order)] if span_order else [])):
             point(name, target, "static", lambda o=order, t=target: calibrate(
                 identity, data.calibration, t, "static", store=False, order=o).settings)
         point("random", target, "random", lambda t=target: calibrate(
@@ -370,9 +410,9 @@ def measure_baselines(bench: Bench, targets: list[float], speed_target: float, r
         if (name, target) in earlier:
             records.append({**earlier[(name, target)], "quality_from_earlier_run": True})
         else:
-            oracle.calibrate(data.calibration, target * layout.num_layers / len(skippable_layers))
-            oracle.skipped = oracle.total = 0
+            calibrated = oracle.calibrate(data.calibration, target * layout.num_layers / len(skippable_layers))
             metrics = bench.measure(oracle.skipping, speed=False)
+            metrics["calibration_skipped_fraction"] = calibrated * len(skippable_layers) / layout.num_layers
             metrics["skipped_fraction"] = oracle.skip_fraction * len(skippable_layers) / layout.num_layers
             records.append(_record(name, target, metrics))
         log(f"oracle @ {target:.2f}: {records[-1]}")

@@ -41,7 +41,7 @@ def _bench() -> Bench:
 
 def _run(bench: Bench, cache: Path, key: dict, reuse: bool, joint=(3, 4, 2)) -> list[dict]:
     return measure_baselines(bench, [0.25], 0.25, [2, 3, 1, 4], list(joint), lambda message: None, cache=cache,
-                             key=key, reuse=reuse)
+                             key=key, reuse=reuse, span_order=[4, 3, 2])
 
 
 def test_baselines_are_reused_only_under_the_same_key_and_their_speed_is_measured_again(tmp_path):
@@ -49,12 +49,13 @@ def test_baselines_are_reused_only_under_the_same_key_and_their_speed_is_measure
     cache = tmp_path / "baselines.json"
     first = _run(bench, cache, {"caption_samples": 2}, reuse=False)
     assert {r["method"] for r in first} == {"static-block-influence", "static-greedy-impact", "static-greedy-joint",
-                                            "random", "oracle-update (runs every layer)"}
+                                            "static-span", "random", "oracle-update (runs every layer)"}
     assert json.loads(cache.read_text())["records"] == json.loads(json.dumps(first))
     greedy = next(r for r in first if r["method"] == "static-greedy-impact")
     assert greedy["settings"] == {"blocks": [2, 3]}  # the order's prefix removing >= 25 % of 6 layers
     assert greedy["speed_measured_as"] == "layers deleted, no routers attached" and greedy["decode_speedup_b1"] > 0
     assert next(r for r in first if r["method"] == "static-greedy-joint")["settings"] == {"blocks": [3, 4]}
+    assert next(r for r in first if r["method"] == "static-span")["settings"] == {"blocks": [3, 4]}
 
     # Poison the stored quality: a reused record must come from the file, not from a fresh measurement.
     stored = json.loads(cache.read_text())
@@ -219,3 +220,44 @@ def test_paired_speed_ratios_alternate_the_order_so_a_drifting_machine_favours_n
     calls.clear()
     # The median of paired rounds stays at ~1; one side always first would read 0.91-0.94 (the later call slower).
     assert evaluate.speed_ratio(None, {}, other, base, 0, rounds=4) == pytest.approx(1.0, abs=0.01)
+
+
+def test_update_oracle_calibrates_on_the_fraction_it_realises_while_skipping():
+    from bench.baselines import UpdateOracle
+
+    model, tokenizer = tiny_vlm("llama", num_hidden_layers=8)
+    batches = [dict(tiny_inputs(tokenizer, batch=2)), dict(tiny_inputs(tokenizer, batch=2))]
+    oracle = UpdateOracle(model, range(1, 8), resolve(model).get_layers(model))
+    realised = oracle.calibrate(batches, 0.3, tolerance=0.02)
+    assert abs(realised - 0.3) <= 0.02
+    thresholds = dict(oracle.thresholds)
+    # What calibrate reports is what skipping realises on those batches: counted over their real tokens.
+    current = {}
+    with oracle.skipping(real=current), torch.no_grad():
+        for batch in batches:
+            current["real"] = batch["attention_mask"].bool()
+            model(**batch)
+    assert oracle.skip_fraction == pytest.approx(realised)
+    # The plain quantile (the level before bisection) realises another fraction on this model.
+    assert abs(oracle.calibrate(batches, 0.3, max_steps=0) - 0.3) > 0.02
+    assert oracle.thresholds != thresholds
+
+
+def test_span_order_starts_with_the_cheapest_span_and_is_cached_under_its_settings(tmp_path):
+    from bench.sweep import span_removal_order
+    from vlm_retrofit.skipping import best_removal_span
+
+    bench = _bench()
+    calibration, removal_order, logged = bench.data.calibration, [2, 3, 1, 4], []
+    order = span_removal_order(bench.model, calibration, removal_order, 2, 3, tmp_path, logged.append)
+    identity = attach_routers(bench.model, RouterConfig(block_size=1))
+    span, _ = best_removal_span(identity, calibration, 2)
+    identity.detach()
+    assert order[:2] == [b for b in removal_order if b in span] and len(set(order)) == 3
+    assert "removal spans of 2" in logged[0]
+    saved = json.loads((tmp_path / "span_removal_order.json").read_text())
+    assert saved["order"] == order and saved["span_blocks"] == 2
+    saved["order"] = [4, 3, 2]  # the cache answers while its settings match, and only then
+    (tmp_path / "span_removal_order.json").write_text(json.dumps(saved))
+    assert span_removal_order(bench.model, calibration, removal_order, 2, 3, tmp_path, logged.append) == [4, 3, 2]
+    assert span_removal_order(bench.model, calibration, removal_order, 3, 3, tmp_path, logged.append) != [4, 3, 2]

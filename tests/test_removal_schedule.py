@@ -4,8 +4,9 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from vlm_retrofit import RouterAdapter, calibrate
-from vlm_retrofit.skipping import greedy_removal_order, removal_impact
+from vlm_retrofit import RouterAdapter, RouterConfig, attach_routers, calibrate
+from vlm_retrofit.skipping import best_removal_span, greedy_removal_order, removal_impact
+from vlm_retrofit.testing import tiny_inputs, tiny_vlm
 from vlm_retrofit.training import FixedBatchDataModule, RetrofitModule
 
 LAYERS = {"num_hidden_layers": 6}
@@ -93,7 +94,8 @@ def test_removal_impact_ranks_blocks_and_static_calibration_follows_the_trained_
 
 
 def _joint_kl(adapter, batches, blocks):
-    """Mean KL(full || blocks removed) per real token, computed here independently of the library."""
+    """Mean KL(full || blocks removed) per real text token (image placeholders not scored), computed here
+    independently of the library."""
     total = count = 0.0
     with torch.no_grad():
         for batch in batches:
@@ -102,8 +104,24 @@ def _joint_kl(adapter, batches, blocks):
                 removed = torch.log_softmax(adapter.model(**batch).logits.float(), -1)
             kl = (full.exp() * (full - removed)).sum(-1)
             real = batch["attention_mask"].bool()
+            image_id = getattr(adapter.model.config, "image_token_id", None)
+            real = real & (batch["input_ids"] != image_id) if image_id is not None else real
             total, count = total + float(kl[real].sum()), count + int(real.sum())
     return total / count
+
+
+def test_removals_are_scored_on_real_text_positions_only():
+    from vlm_retrofit.skipping.calibrate import scored_positions
+
+    model, tokenizer = tiny_vlm("llava", num_hidden_layers=6)
+    adapter = attach_routers(model, RouterConfig(block_size=1))
+    batch = dict(tiny_inputs(tokenizer, batch=2))
+    image = batch["input_ids"] == model.config.image_token_id
+    assert image.any() and (~batch["attention_mask"].bool()).any()  # the tiny batch has both to leave out
+    scored = scored_positions(adapter, batch, batch["input_ids"].shape)
+    assert torch.equal(scored, batch["attention_mask"].bool() & ~image)
+    impact = removal_impact(adapter, [batch])
+    assert impact[2] == pytest.approx(_joint_kl(adapter, [batch], [2]), rel=1e-4)
 
 
 def test_greedy_removal_order_picks_the_cheapest_block_given_those_already_removed():
@@ -142,6 +160,47 @@ def test_joint_removal_order_starts_with_the_greedy_joint_picks_then_follows_imp
     assert sorted(order) == list(module.adapter.layout.skippable_blocks)
     with pytest.raises(ValueError, match="max_removed_blocks >= 1"):
         RetrofitModule(backbone="tiny:llama", backbone_kwargs=LAYERS, removal_order="joint")
+
+def test_best_removal_span_is_the_cheapest_run_of_adjacent_blocks_and_greedy_continues_from_it():
+    module = RetrofitModule(backbone="tiny:llama", backbone_kwargs={"num_hidden_layers": 8})
+    adapter = module.adapter
+    batches = [module.model_inputs(b)[0] for b in _batches(2)]
+    span, costs = best_removal_span(adapter, batches, 3)
+    skippable = list(adapter.layout.skippable_blocks)  # 1..6: the first and last blocks never skip
+    assert sorted(costs) == [b for b in skippable if b + 2 <= skippable[-1]]  # every run of 3 inside 1..6
+    for first, cost in costs.items():  # brute force: each run's joint removal KL
+        assert cost == pytest.approx(_joint_kl(adapter, batches, [first, first + 1, first + 2]), rel=1e-4)
+    assert span == [min(costs, key=costs.__getitem__) + i for i in range(3)]
+    for impossible in (0, len(skippable) + 1):
+        with pytest.raises(ValueError, match="num_blocks"):
+            best_removal_span(adapter, batches, impossible)
+
+    order, picked = greedy_removal_order(adapter, batches, 5, start=span)
+    assert order[:3] == span and len(set(order)) == 5
+    assert all(c != c for c in picked[:3])  # the start blocks are not searched (NaN)
+    joint = {b: _joint_kl(adapter, batches, span + [b]) for b in skippable if b not in span}
+    assert order[3] == min(joint, key=joint.__getitem__)
+    with pytest.raises(ValueError, match="start"):
+        greedy_removal_order(adapter, batches, 3, start=[0])
+    with pytest.raises(ValueError, match="num_blocks"):
+        greedy_removal_order(adapter, batches, 3, start=span)  # nothing left to pick
+
+
+def test_span_removal_order_starts_with_the_cheapest_span_by_impact_then_follows_impact():
+    module = RetrofitModule(backbone="tiny:llama", backbone_kwargs=LAYERS, removal_order="span", max_removed_blocks=2)
+    batch = _batches(1)[0]
+    with torch.no_grad():
+        module.compute_loss(batch, drop_rate=0.0, seed=0)  # the first batch seen decides the order
+    order = list(module.adapter.removal_order)
+    inputs = [module.model_inputs(batch)[0]]
+    span, _ = best_removal_span(module.adapter, inputs, 2)
+    impact = removal_impact(module.adapter, inputs)
+    by_impact = sorted(impact, key=impact.__getitem__)
+    assert order[:2] == [b for b in by_impact if b in span]
+    assert order[2:] == [b for b in by_impact if b not in span]
+    with pytest.raises(ValueError, match="max_removed_blocks >= 1"):
+        RetrofitModule(backbone="tiny:llama", backbone_kwargs=LAYERS, removal_order="span")
+
 
 def test_impact_order_is_found_trained_saved_and_restored(tmp_path):
     module = RetrofitModule(backbone="tiny:llama", backbone_kwargs=LAYERS, removal_order="impact",

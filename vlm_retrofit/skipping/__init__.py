@@ -3,6 +3,7 @@
 from .accounting import LayerCost, SkipReport
 from .calibrate import (
     CalibrationResult,
+    best_removal_span,
     block_influence,
     calibrate,
     greedy_removal_order,
@@ -24,6 +25,7 @@ from .simulation import SkipSimulation
 
 __all__ = [
     "CalibrationResult",
+    "best_removal_span",
     "block_influence",
     "calibrate",
     "POLICIES",

@@ -92,7 +92,7 @@ class RetrofitModule(pl.LightningModule):
         drop_warmup_steps: int = 20,
         use_gates: bool = True,
         skip_budget: float | None = None,
-        removal_order: list[int] | Literal["impact", "joint"] | None = None,
+        removal_order: list[int] | Literal["impact", "joint", "span"] | None = None,
         max_removed_blocks: int = 0,
         min_removed_blocks: int = 0,
         compute_target: float | None = None,
@@ -163,7 +163,10 @@ class RetrofitModule(pl.LightningModule):
                 the removal schedule; `impact` ranks them by single-block removal KL on the first training
                 batch; `joint` takes the first `max_removed_blocks` by greedy joint removal on that batch (each
                 pick the cheapest given the earlier ones: ~max_removed_blocks x blocks forwards, once), then the
-                rest by impact. Saved with the adapter: `calibrate(..., "static")` then removes a prefix of it.
+                rest by impact; `span` takes the run of `max_removed_blocks` adjacent blocks whose removal together
+                costs the least on that batch (one forward per run; it reaches blocks that are costly alone but
+                cheap together, which `joint` never picks), then the rest by impact. Saved with the adapter:
+                `calibrate(..., "static")` then removes a prefix of it.
             max_removed_blocks: removal schedule: each step, every token skips the first k blocks of
                 `removal_order`, k drawn uniformly from 0..max_removed_blocks (validation uses the maximum),
                 so the routers learn to re-weight around blocks that a static policy removes for good.
@@ -218,10 +221,11 @@ class RetrofitModule(pl.LightningModule):
                              f"got {min_removed_blocks}")
         if max_removed_blocks and removal_order is None:
             raise ValueError("max_removed_blocks needs a removal_order (a list of blocks, or 'impact')")
-        if isinstance(removal_order, str) and removal_order not in ("impact", "joint"):
-            raise ValueError(f"removal_order must be a list of block indices, 'impact' or 'joint', got {removal_order!r}")
-        if removal_order == "joint" and not max_removed_blocks:
-            raise ValueError("removal_order: joint picks max_removed_blocks blocks; set max_removed_blocks >= 1")
+        if isinstance(removal_order, str) and removal_order not in ("impact", "joint", "span"):
+            raise ValueError("removal_order must be a list of block indices, 'impact', 'joint' or 'span', got "
+                             f"{removal_order!r}")
+        if removal_order in ("joint", "span") and not max_removed_blocks:
+            raise ValueError(f"removal_order: {removal_order} picks max_removed_blocks blocks; set max_removed_blocks >= 1")
         if not train_routers and not (lora and max_removed_blocks >= 1 and max_drop_rate == 0):
             raise ValueError("train_routers: false trains a LoRA to heal removed blocks: it needs lora, "
                              f"max_removed_blocks >= 1 and max_drop_rate: 0 (got lora={'set' if lora else None}, "
@@ -384,11 +388,12 @@ class RetrofitModule(pl.LightningModule):
         self.adapter.removal_order = order
 
     def _ensure_removal_order(self, batch: Mapping[str, Any]) -> None:
-        """`removal_order: impact | joint`: rank the skippable blocks on the first batch seen (rank 0's, broadcast)."""
+        """`removal_order: impact | joint | span`: rank the skippable blocks on the first batch seen (rank 0's,
+        broadcast)."""
         mode = self.hparams.removal_order
-        if self.adapter.removal_order is not None or mode not in ("impact", "joint"):
+        if self.adapter.removal_order is not None or mode not in ("impact", "joint", "span"):
             return
-        from ..skipping import greedy_removal_order, removal_impact
+        from ..skipping import best_removal_span, greedy_removal_order, removal_impact
 
         batches = [self.model_inputs(batch)[0]]
         impact = removal_impact(self.adapter, batches)
@@ -396,6 +401,9 @@ class RetrofitModule(pl.LightningModule):
         if mode == "joint":
             picks, _ = greedy_removal_order(self.adapter, batches, int(self.hparams.max_removed_blocks))
             order = picks + [b for b in order if b not in picks]
+        elif mode == "span":
+            span, _ = best_removal_span(self.adapter, batches, int(self.hparams.max_removed_blocks))
+            order = [b for b in order if b in span] + [b for b in order if b not in span]
         if self._trainer is not None:
             order = self.trainer.strategy.broadcast(order, src=0)  # every rank trains the same schedule
         self._set_removal_order(order)
