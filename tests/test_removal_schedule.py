@@ -146,20 +146,26 @@ def test_greedy_removal_order_picks_the_cheapest_block_given_those_already_remov
 
 
 
-def test_joint_removal_order_starts_with_the_greedy_joint_picks_then_follows_impact():
-    module = RetrofitModule(backbone="tiny:llama", backbone_kwargs=LAYERS, removal_order="joint", max_removed_blocks=2)
+@pytest.mark.parametrize("mode", ["joint", "span"])
+def test_searched_removal_order_starts_with_the_search_picks_then_follows_impact(mode):
+    module = RetrofitModule(backbone="tiny:llama", backbone_kwargs=LAYERS, removal_order=mode, max_removed_blocks=2)
     batch = _batches(1)[0]
     with torch.no_grad():
         module.compute_loss(batch, drop_rate=0.0, seed=0)  # the first batch seen decides the order
     order = list(module.adapter.removal_order)
     inputs = [module.model_inputs(batch)[0]]
-    picks, _ = greedy_removal_order(module.adapter, inputs, 2)
-    impact = removal_impact(module.adapter, inputs)
+    by_impact = sorted((impact := removal_impact(module.adapter, inputs)), key=impact.__getitem__)
+    if mode == "joint":  # greedy joint removal's picks, in the order picked
+        picks, _ = greedy_removal_order(module.adapter, inputs, 2)
+    else:  # the cheapest span, its blocks by single-block impact
+        span, _ = best_removal_span(module.adapter, inputs, 2)
+        picks = [b for b in by_impact if b in span]
     assert order[:2] == picks
-    assert order[2:] == [b for b in sorted(impact, key=impact.__getitem__) if b not in picks]
+    assert order[2:] == [b for b in by_impact if b not in picks]
     assert sorted(order) == list(module.adapter.layout.skippable_blocks)
     with pytest.raises(ValueError, match="max_removed_blocks >= 1"):
-        RetrofitModule(backbone="tiny:llama", backbone_kwargs=LAYERS, removal_order="joint")
+        RetrofitModule(backbone="tiny:llama", backbone_kwargs=LAYERS, removal_order=mode)
+
 
 def test_best_removal_span_is_the_cheapest_run_of_adjacent_blocks_and_greedy_continues_from_it():
     module = RetrofitModule(backbone="tiny:llama", backbone_kwargs={"num_hidden_layers": 8})
@@ -184,22 +190,6 @@ def test_best_removal_span_is_the_cheapest_run_of_adjacent_blocks_and_greedy_con
         greedy_removal_order(adapter, batches, 3, start=[0])
     with pytest.raises(ValueError, match="num_blocks"):
         greedy_removal_order(adapter, batches, 3, start=span)  # nothing left to pick
-
-
-def test_span_removal_order_starts_with_the_cheapest_span_by_impact_then_follows_impact():
-    module = RetrofitModule(backbone="tiny:llama", backbone_kwargs=LAYERS, removal_order="span", max_removed_blocks=2)
-    batch = _batches(1)[0]
-    with torch.no_grad():
-        module.compute_loss(batch, drop_rate=0.0, seed=0)  # the first batch seen decides the order
-    order = list(module.adapter.removal_order)
-    inputs = [module.model_inputs(batch)[0]]
-    span, _ = best_removal_span(module.adapter, inputs, 2)
-    impact = removal_impact(module.adapter, inputs)
-    by_impact = sorted(impact, key=impact.__getitem__)
-    assert order[:2] == [b for b in by_impact if b in span]
-    assert order[2:] == [b for b in by_impact if b not in span]
-    with pytest.raises(ValueError, match="max_removed_blocks >= 1"):
-        RetrofitModule(backbone="tiny:llama", backbone_kwargs=LAYERS, removal_order="span")
 
 
 def test_impact_order_is_found_trained_saved_and_restored(tmp_path):
