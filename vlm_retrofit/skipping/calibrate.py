@@ -175,20 +175,21 @@ def _reference(adapter: RouterAdapter, batches: Iterable[Mapping[str, Any]]) -> 
 
 
 def scored_positions(adapter: RouterAdapter, batch: Mapping[str, Any], shape: torch.Size) -> Tensor:
-    """The positions a removal is scored on: real tokens (the attention mask) that are not image placeholders.
+    """Real text positions [B, T]: the attention mask without image placeholders. Removals are scored and
+    `distill_positions: text` distils on them.
 
     Nothing reads the predictions at image positions, yet a removal changes them a lot: on the benchmark's VLM
     they held 18 % of the caption batches' positions and up to twice the text positions' KL, enough to rank a
     worse set of layers first.
     """
-    real = batch.get("attention_mask")
-    real = real.bool() if real is not None and real.shape == shape else None
     ids = batch.get("input_ids")
+    device = ids.device if ids is not None else None
+    real = batch.get("attention_mask")
+    real = real.bool() if real is not None and real.shape == shape else torch.ones(shape, dtype=torch.bool, device=device)
     image_ids = sorted(adapter.spec.image_token_ids(unwrap_model(adapter.model).config))
     if ids is not None and ids.shape == shape and image_ids:
-        text = ~torch.isin(ids, torch.tensor(image_ids, device=ids.device))
-        real = text if real is None else real & text
-    return real if real is not None else torch.ones(shape, dtype=torch.bool)
+        real = real & ~torch.isin(ids, torch.tensor(image_ids, device=ids.device))
+    return real
 
 
 def _removal_kl(adapter: RouterAdapter, batches: list[dict[str, Any]], reference: list[Tensor], blocks: list[int]) -> float:

@@ -18,6 +18,7 @@ from torch import Tensor
 
 from ..batch import META_KEYS
 from ..skipping import SkipSimulation
+from ..skipping.calibrate import scored_positions
 from ..routing import RouterConfig, attach_routers
 from ..backbones import unwrap_model
 from ..backbones.loading import load_backbone
@@ -368,12 +369,7 @@ class RetrofitModule(pl.LightningModule):
         inputs = {k: v for k, v in batch.items() if k not in META_KEYS}
         if self.hparams.distill_positions == "response":
             return inputs, batch["loss_mask"].bool()
-        ids = inputs["input_ids"]
-        mask = inputs["attention_mask"].bool() if "attention_mask" in inputs else torch.ones_like(ids, dtype=torch.bool)
-        image_ids = sorted(self.adapter.spec.image_token_ids(unwrap_model(self.model).config))
-        if image_ids:
-            mask = mask & ~torch.isin(ids, torch.tensor(image_ids, device=ids.device))
-        return inputs, mask
+        return inputs, scored_positions(self.adapter, inputs, inputs["input_ids"].shape)
 
     def _set_removal_order(self, order: list[int]) -> None:
         layout = self.adapter.layout
