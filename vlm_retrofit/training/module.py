@@ -20,7 +20,6 @@ from ..batch import META_KEYS
 from ..skipping import SkipSimulation
 from ..skipping.calibrate import scored_positions
 from ..routing import RouterConfig, attach_routers
-from ..backbones import unwrap_model
 from ..backbones.loading import load_backbone
 from ..pruning import layers_removed
 from ..replacement import fit_replacements, output_projection, replacements_applied, save_replacements
