@@ -82,6 +82,24 @@ def test_never_skip_blocks_and_budget_are_honoured():
     assert report.skip_rates == [0.0, 1.0, 0.0, 0.0, 0.0, 0.0]
 
 
+def test_skip_rates_count_real_tokens_only_in_a_padded_batch():
+    model, processor, adapter = _model()
+    inputs = tiny_inputs(processor, batch=2)
+    real = inputs["attention_mask"].bool()
+    assert not real.all()  # padded: the counts below must leave the padding out
+    generator = torch.Generator().manual_seed(0)
+    masks = {1: torch.rand(real.shape, generator=generator) < 0.5,  # some real and some padding positions skip
+             2: torch.ones_like(real),                                # every position skips
+             3: ~real,                                                # only the padding skips: no real token does
+             4: torch.zeros_like(real)}                               # nobody skips
+    with torch.no_grad(), adapter.skipping(PatternPolicy(lambda block, state: masks.get(block))) as report:
+        model(**inputs)
+    for block, mask in masks.items():
+        assert report.block_tokens[block] == int(real.sum()), block
+        assert report.block_skipped_tokens[block] == int((mask & real).sum()), block
+    assert report.skip_rates[3] == report.skip_rates[4] == 0.0 and report.skip_rates[2] == 1.0
+
+
 @pytest.mark.parametrize("removed", [False, True])
 def test_accounting_matches_a_hand_computed_case(removed):
     # llama tiny: d=64, 4 heads x 16, 2 kv heads, MLP 128; 4 layers, block 2 skipped by every token.

@@ -165,10 +165,13 @@ class RandomPolicy(SkipPolicy):
 
     def skip_mask(self, block: int, state: Any, adapter: Any) -> Tensor | None:
         token = state.stack.key(0)  # RMS-normalised decoder input: identical for the same token in any pass
-        if self._direction is None or self._direction.shape[0] != token.shape[-1]:
+        direction = self._direction
+        if direction is None or direction.shape[0] != token.shape[-1] or direction.device != token.device:
+            # Drawn on the CPU generator (the same values on any device), moved once: not a copy per block.
             generator = torch.Generator().manual_seed(self.seed)
-            self._direction = torch.randn(token.shape[-1], generator=generator, dtype=torch.float64)
-        projection = token.double() @ self._direction.to(token.device)
+            direction = torch.randn(token.shape[-1], generator=generator, dtype=torch.float64).to(token.device)
+            self._direction = direction
+        projection = token.double() @ direction
         uniform = torch.frac(torch.sin(projection * 12.9898 + 78.233 * (block + 1)) * 43758.5453).abs()
         return uniform < self.rate
 

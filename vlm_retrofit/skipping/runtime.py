@@ -193,13 +193,33 @@ class SkipController:
             self._record_decision(block, state, None)
             return
         skip = self._apply_budget(self.policy.skip_mask(block, state, self.adapter))
-        self._record_decision(block, state, skip)
+        if skip is None:
+            self._record_decision(block, state, None)
+            return
+        skipped, skipped_real = self._read_skip_counts(skip, state)
+        self.report.record_decision(block, self._real_tokens, skipped_real)
         # Settle "nobody skips" and "everybody skips" once per block: the layer and the stream take fast paths.
-        if skip is not None and not bool(skip.any()):
+        if skipped == 0:
             skip = None
-        elif skip is not None and bool(skip.all()):
+        elif skipped == skip.numel():
             self._none_ran.add(block)
         self._skip[block] = skip
+
+    def _read_skip_counts(self, skip: Tensor, state: Any) -> tuple[int, int]:
+        """(tokens skipping, real tokens skipping) of one block's decision, in one read from the device.
+
+        On CUDA every read waits for the GPU: the fast paths' any / all, the report's count and the forward's real
+        token count come back together instead of one wait each.
+        """
+        real = state.token_is_real
+        counts = [skip.sum()]
+        counts.append((skip & real).sum() if real is not None else counts[0])
+        if self._real_tokens is None and real is not None:
+            counts.append(real.sum())
+        values = torch.stack(counts).tolist()
+        if self._real_tokens is None:
+            self._real_tokens = values[2] if real is not None else skip.numel()
+        return values[0], values[1]
 
     def _record_decision(self, block: int, state: Any, skip: Tensor | None, *, everyone: bool = False) -> None:
         """Skip rates count real tokens only: padding positions are computed but are nobody's output."""
