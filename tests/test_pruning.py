@@ -160,3 +160,31 @@ def test_pruned_release_commands_and_refusals(trained_removal, tmp_path, capsys)
     # A block that may not be removed is refused before anything is written.
     assert main(["merge", "--ckpt", str(trained_removal), "--output", str(tmp_path / "bad"), "--prune-blocks", "0"]) == 1
     assert "cannot be pruned" in capsys.readouterr().out and not (tmp_path / "bad").exists()
+
+
+def test_a_pruned_release_is_the_backbone_of_a_new_retrofit(trained_removal, tmp_path):
+    assert main(["merge", "--ckpt", str(trained_removal), "--output", str(tmp_path / "pruned"), "--prune-target", "0.25"]) == 0
+    release, processor = load_release(tmp_path / "pruned")
+    inputs = tiny_inputs(processor)
+    expected = _real_logits(release, inputs)
+
+    # The release folder itself names the backbone: its model/ and processor/, 6 of the 8 layers.
+    model, _ = load_backbone(str(tmp_path / "pruned"))
+    assert len(model.model.language_model.layers) == 6
+    adapter = attach_routers(model, RouterConfig(block_size=1))
+    torch.testing.assert_close(_real_logits(model, inputs), expected, atol=1e-5, rtol=0)  # identity at init
+    adapter.detach()
+
+    # `fit` on it (the data's processor follows the backbone), and the adapter loads back onto the release.
+    fit_config(tmp_path, "tiny-removal.yaml", "--trainer.max_steps", "2", "--trainer.callbacks", "[]",
+               "--model.backbone", str(tmp_path / "pruned"), "--model.backbone_kwargs", "null",
+               "--model.max_removed_blocks", "2")
+    stacked = load_trained(tmp_path / "runs" / "tiny-removal" / "adapter")
+    assert stacked.adapter.layout.num_layers == 6 and stacked.base_model["name"] == str(tmp_path / "pruned")
+    with torch.no_grad(), stacked.adapter.disabled():
+        torch.testing.assert_close(_real_logits(stacked.model, inputs), expected, atol=1e-5, rtol=0)
+
+    # A release of routers on top of a base is not a model by itself: refused, naming what to do.
+    assert main(["merge", "--ckpt", str(trained_removal), "--output", str(tmp_path / "routers")]) == 0
+    with pytest.raises(ValueError, match="not a model by itself.*--full-weights"):
+        load_backbone(str(tmp_path / "routers"))

@@ -15,12 +15,11 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from .backbones import base_fingerprint, unwrap_model
-from .backbones.loading import load_backbone, load_processor
+from .backbones.loading import RELEASE_CONFIG, load_backbone, load_processor
 from .routing import AdapterMismatchError, RouterAdapter, RouterConfig, attach_routers, check_fingerprint
 from .replacement import load_replacements
 from .routing.adapter import CONFIG_NAME, read_adapter_config
 
-RELEASE_CONFIG = "release_config.json"
 RELEASE_FORMAT = "vlm_retrofit.release"
 CHECKPOINT_SECTION = "vlm_retrofit"  # the training module's checkpoint key (not imported: it pulls in Lightning)
 MERGED_LORA = "merged_lora.safetensors"

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib
+import json
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -19,6 +21,29 @@ def resolve_dtype(name: str | None) -> torch.dtype | str | None:
     if name not in DTYPES:
         raise ValueError(f"torch_dtype must be one of {sorted(DTYPES)}, 'auto' or null, got {name!r}")
     return DTYPES[name]
+
+
+RELEASE_CONFIG = "release_config.json"  # marks a folder written by `vlm_retrofit merge`
+
+
+def release_folders(name: str) -> tuple[str, str] | None:
+    """(model folder, processor folder) when `name` is a release folder that holds full weights (`merge
+    --full-weights` or a pruned release): such a release is a plain model and can be the backbone of a new
+    retrofit, its own routers (if any) left out. None when `name` is not a release folder.
+
+    A release that holds only routers (and LoRA) on top of a base is refused: it is not a model by itself.
+    """
+    config_path = Path(name) / RELEASE_CONFIG
+    if not config_path.is_file():
+        return None
+    config = json.loads(config_path.read_text())
+    if not config.get("full_weights"):
+        base = config.get("base_model", {}).get("name")
+        raise ValueError(
+            f"{name} is a vlm_retrofit release of routers on top of {base!r}, not a model by itself: use its base "
+            "as the backbone, or write a release that holds full weights (merge --full-weights, or --prune-target "
+            "for a pruned release) and use that folder")
+    return str(Path(name) / "model"), str(Path(name) / "processor")
 
 
 def _import(path: str) -> Any:
@@ -42,6 +67,8 @@ def load_backbone(name: str, *, trust_remote_code: bool = False, torch_dtype: st
       text-only LMs. Remote code runs only with `trust_remote_code=True`. The processor is `AutoProcessor`
       (or `AutoTokenizer` for text-only models), read from `processor_from` if given, else from `name`.
       `kwargs` go to `from_pretrained` (e.g. `revision`).
+    * a release folder written by `merge --full-weights` or `merge --prune-target`: its `model/` with its
+      `processor/` (`release_folders`), e.g. to train routers on a pruned release.
     """
     kwargs = dict(kwargs or {})
     dtype = resolve_dtype(torch_dtype)
@@ -55,6 +82,9 @@ def load_backbone(name: str, *, trust_remote_code: bool = False, torch_dtype: st
 
     import transformers
 
+    release = release_folders(name)
+    if release is not None:
+        name, processor_from = release[0], processor_from or release[1]
     load_kw: dict[str, Any] = dict(trust_remote_code=trust_remote_code, **kwargs)
     if dtype is not None:
         load_kw["dtype"] = dtype
@@ -80,6 +110,9 @@ def load_processor(source: str, **kwargs: Any) -> Any:
     import transformers
 
     kwargs.setdefault("trust_remote_code", False)
+    release = release_folders(source)
+    if release is not None:
+        source = release[1]
     try:
         return transformers.AutoProcessor.from_pretrained(source, **kwargs)
     except (OSError, ValueError, KeyError, TypeError):
