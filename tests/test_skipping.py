@@ -98,6 +98,12 @@ def test_skip_rates_count_real_tokens_only_in_a_padded_batch():
         assert report.block_tokens[block] == int(real.sum()), block
         assert report.block_skipped_tokens[block] == int((mask & real).sum()), block
     assert report.skip_rates[3] == report.skip_rates[4] == 0.0 and report.skip_rates[2] == 1.0
+    # The decoder called directly (no mask) after a padded call of the model: every position counts, none of the
+    # previous call's padding is taken for this one's.
+    with torch.no_grad(), adapter.skipping(PatternPolicy(lambda block, state: masks.get(block))) as report:
+        model(**inputs)
+        model.get_decoder()(input_ids=inputs["input_ids"])
+    assert report.block_tokens[1] == int(real.sum()) + real.numel()
 
 
 @pytest.mark.parametrize("removed", [False, True])

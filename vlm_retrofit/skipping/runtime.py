@@ -172,6 +172,9 @@ class SkipController:
             state.token_is_image = self._token_is_image
         if self._token_is_real is not None and self._token_is_real.shape == tokens_shape:
             state.token_is_real = self._token_is_real
+        # The capture describes one call of the top model: a later forward that does not pass through it (the
+        # decoder called directly) must not take its image positions or padding.
+        self._token_is_image = self._token_is_real = None
         self._skip.clear()
         self._none_ran.clear()
         self._used = None
