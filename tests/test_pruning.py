@@ -49,8 +49,9 @@ def test_pruned_model_equals_static_removal_and_reloads(family, tmp_path):
     torch.testing.assert_close(_real_logits(reloaded, inputs), expected, atol=1e-4, rtol=0)
 
 
-def test_layers_removed_in_context_equals_static_removal_with_routers_at_init_with_and_without_cache():
-    model, tokenizer = tiny_vlm("llama", num_hidden_layers=6)
+@pytest.mark.parametrize("family", ["llama", "gemma3"])  # Gemma 3: masks and rotary chosen per layer type
+def test_layers_removed_in_context_equals_static_removal_with_routers_at_init_with_and_without_cache(family):
+    model, tokenizer = tiny_vlm(family, num_hidden_layers=6)
     inputs = dict(tiny_inputs(tokenizer, batch=2))  # left-padded: the cache of removed layers must not matter
     identity = attach_routers(model, RouterConfig(block_size=1))
     spec = identity.spec
@@ -58,11 +59,14 @@ def test_layers_removed_in_context_equals_static_removal_with_routers_at_init_wi
         static_logits = model(**inputs).logits
         static_tokens = model.generate(**inputs, max_new_tokens=6, do_sample=False)
     identity.detach()
+    text_config = spec.get_text_config(model)
+    before = (dict(vars(text_config)), [layer.self_attn.layer_idx for layer in spec.get_layers(model)])
     with torch.no_grad(), layers_removed(model, spec, [2, 4]):
-        assert len(spec.get_layers(model)) == 4
+        assert len(spec.get_layers(model)) == text_config.num_hidden_layers == 4
         deleted_logits = model(**inputs).logits
         deleted_tokens = model.generate(**inputs, max_new_tokens=6, do_sample=False)
-    assert len(spec.get_layers(model)) == 6  # restored
+    assert len(spec.get_layers(model)) == 6  # restored: layers, their numbering and the config
+    assert (dict(vars(text_config)), [layer.self_attn.layer_idx for layer in spec.get_layers(model)]) == before
     torch.testing.assert_close(deleted_logits, static_logits, atol=1e-4, rtol=0)
     assert torch.equal(deleted_tokens, static_tokens)
 

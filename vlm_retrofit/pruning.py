@@ -66,40 +66,58 @@ def prune_layers(model: nn.Module, spec: BackboneSpec, layers: Iterable[int]) ->
     if injected and removed[0] <= injected[-1]:
         raise ValueError(f"cannot prune layers {removed}: the backbone injects features at layers {injected} by "
                          f"index; only layers after {injected[-1]} can be pruned")
-    gone = set(removed)
-    kept = [layer for i, layer in enumerate(full) if i not in gone]
-    setattr(decoder, spec.layers_attr, nn.ModuleList(kept))
-    for index, layer in enumerate(kept):
-        for module in layer.modules():
-            if isinstance(getattr(module, "layer_idx", None), int):
-                module.layer_idx = index
-    _shrink_config(spec.get_text_config(model), len(full), set(removed))
+    _delete_layers(model, spec, full, set(removed))
     return removed
 
 
 @contextlib.contextmanager
 def layers_removed(model: nn.Module, spec: BackboneSpec, layers: Iterable[int]) -> Iterator[None]:
-    """Within the context the decoder runs without `layers`, as a pruned model does; restored on exit.
-
-    Unlike `prune_layers` nothing is renumbered: each kept layer keeps its `layer_idx` and KV-cache slot, and the
-    removed layers' slots stay empty (nothing reads them). For measuring and training, not for saving.
+    """Within the context the decoder runs without `layers` exactly as the pruned model (`prune_layers`) does:
+    the kept layers renumbered, the config's per-layer lists shrunk (Gemma 3 picks each layer's mask and rotary
+    embedding by its position in them); all restored on exit. For measuring and training, not for saving.
     """
     decoder = spec.get_decoder(model)
     full = getattr(decoder, spec.layers_attr)
-    removed = set(layers)
-    setattr(decoder, spec.layers_attr, nn.ModuleList(layer for i, layer in enumerate(full) if i not in removed))
+    removed = {int(i) for i in layers}
+    if not removed:
+        yield
+        return
+    text_config = spec.get_text_config(model)
+    settings = {name: getattr(text_config, name) for name in [*_per_layer_settings(text_config, len(full)),
+                                                              "num_hidden_layers"]}
+    numbering = [(module, module.layer_idx) for layer in full for module in layer.modules()
+                 if isinstance(getattr(module, "layer_idx", None), int)]
+    _delete_layers(model, spec, full, removed)
     try:
         yield
     finally:
         setattr(decoder, spec.layers_attr, full)
+        for module, index in numbering:
+            module.layer_idx = index
+        for name, value in settings.items():
+            setattr(text_config, name, value)
 
 
-def _shrink_config(text_config: Any, num_layers: int, removed: set[int]) -> None:
+def _delete_layers(model: nn.Module, spec: BackboneSpec, full: nn.ModuleList, removed: set[int]) -> None:
+    """Keep the layers of `full` not in `removed`, renumbered (their `layer_idx`, hence their KV-cache slots),
+    and shrink the language config to match."""
+    kept = [layer for i, layer in enumerate(full) if i not in removed]
+    setattr(spec.get_decoder(model), spec.layers_attr, nn.ModuleList(kept))
+    for index, layer in enumerate(kept):
+        for module in layer.modules():
+            if isinstance(getattr(module, "layer_idx", None), int):
+                module.layer_idx = index
+    text_config = spec.get_text_config(model)
+    for name in _per_layer_settings(text_config, len(full)):
+        value = getattr(text_config, name)
+        setattr(text_config, name, type(value)(v for i, v in enumerate(value) if i not in removed))
+    text_config.num_hidden_layers = len(full) - len(removed)
+
+
+def _per_layer_settings(text_config: Any, num_layers: int) -> list[str]:
     # Per-layer settings are lists indexed by layer (layer_types: sliding vs full attention, ...).
-    for name, value in list(vars(text_config).items()):
-        if "layer" in name and isinstance(value, (list, tuple)) and len(value) == num_layers:
-            setattr(text_config, name, type(value)(v for i, v in enumerate(value) if i not in removed))
-    text_config.num_hidden_layers = num_layers - len(removed)
+    return [name for name, value in vars(text_config).items()
+            if "layer" in name and isinstance(value, (list, tuple)) and len(value) == num_layers]
 
 
 # -- pruned releases (written by `vlm_retrofit.release.merge`) ----------------------------------------------
