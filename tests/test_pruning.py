@@ -67,6 +67,9 @@ def test_layers_removed_in_context_equals_static_removal_with_routers_at_init_wi
         deleted_tokens = model.generate(**inputs, max_new_tokens=6, do_sample=False)
     assert len(spec.get_layers(model)) == 6  # restored: layers, their numbering and the config
     assert (dict(vars(text_config)), [layer.self_attn.layer_idx for layer in spec.get_layers(model)]) == before
+    with pytest.raises(ValueError, match="out of range"), layers_removed(model, spec, [6]):
+        pass
+    assert (dict(vars(text_config)), [layer.self_attn.layer_idx for layer in spec.get_layers(model)]) == before
     torch.testing.assert_close(deleted_logits, static_logits, atol=1e-4, rtol=0)
     assert torch.equal(deleted_tokens, static_tokens)
 
@@ -188,7 +191,8 @@ def test_a_pruned_release_is_the_backbone_of_a_new_retrofit(trained_removal, tmp
     with torch.no_grad(), stacked.adapter.disabled():
         torch.testing.assert_close(_real_logits(stacked.model, inputs), expected, atol=1e-5, rtol=0)
 
-    # A release of routers on top of a base is not a model by itself: refused, naming what to do.
-    assert main(["merge", "--ckpt", str(trained_removal), "--output", str(tmp_path / "routers")]) == 0
-    with pytest.raises(ValueError, match="not a model by itself.*--full-weights"):
-        load_backbone(str(tmp_path / "routers"))
+    # A release that computes with its trained routers (with or without full weights) is refused, saying what to do.
+    for name, extra in (("routers", []), ("full", ["--full-weights"])):
+        assert main(["merge", "--ckpt", str(trained_removal), "--output", str(tmp_path / name), *extra]) == 0
+        with pytest.raises(ValueError, match="trained routers.*--prune-target"):
+            load_backbone(str(tmp_path / name))

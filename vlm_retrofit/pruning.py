@@ -82,13 +82,15 @@ def layers_removed(model: nn.Module, spec: BackboneSpec, layers: Iterable[int]) 
     if not removed:
         yield
         return
+    if min(removed) < 0 or max(removed) >= len(full):
+        raise ValueError(f"layers {sorted(removed)} are out of range: the decoder has {len(full)} layers")
     text_config = spec.get_text_config(model)
     settings = {name: getattr(text_config, name) for name in [*_per_layer_settings(text_config, len(full)),
                                                               "num_hidden_layers"]}
     numbering = [(module, module.layer_idx) for layer in full for module in layer.modules()
                  if isinstance(getattr(module, "layer_idx", None), int)]
-    _delete_layers(model, spec, full, removed)
     try:
+        _delete_layers(model, spec, full, removed)
         yield
     finally:
         setattr(decoder, spec.layers_attr, full)

@@ -27,22 +27,22 @@ RELEASE_CONFIG = "release_config.json"  # marks a folder written by `vlm_retrofi
 
 
 def release_folders(name: str) -> tuple[str, str] | None:
-    """(model folder, processor folder) when `name` is a release folder that holds full weights (`merge
-    --full-weights` or a pruned release): such a release is a plain model and can be the backbone of a new
-    retrofit, its own routers (if any) left out. None when `name` is not a release folder.
+    """(model folder, processor folder) when `name` is a pruned release (`merge --prune-target`): a plain,
+    shallower model with no routers, which can be the backbone of a new retrofit. None when `name` is not a
+    release folder.
 
-    A release that holds only routers (and LoRA) on top of a base is refused: it is not a model by itself.
+    Any other release computes with its trained routers, so no plain model in it is what it computes: refused.
     """
     config_path = Path(name) / RELEASE_CONFIG
     if not config_path.is_file():
         return None
     config = json.loads(config_path.read_text())
-    if not config.get("full_weights"):
+    if not (config.get("pruned") and config.get("full_weights")):
         base = config.get("base_model", {}).get("name")
         raise ValueError(
-            f"{name} is a vlm_retrofit release of routers on top of {base!r}, not a model by itself: use its base "
-            "as the backbone, or write a release that holds full weights (merge --full-weights, or --prune-target "
-            "for a pruned release) and use that folder")
+            f"{name} is a vlm_retrofit release of trained routers on top of {base!r}: without them no model in it "
+            "computes what the release does. Use its base as the backbone, or write a pruned release (merge "
+            "--prune-target) and use that folder")
     return str(Path(name) / "model"), str(Path(name) / "processor")
 
 
@@ -67,8 +67,8 @@ def load_backbone(name: str, *, trust_remote_code: bool = False, torch_dtype: st
       text-only LMs. Remote code runs only with `trust_remote_code=True`. The processor is `AutoProcessor`
       (or `AutoTokenizer` for text-only models), read from `processor_from` if given, else from `name`.
       `kwargs` go to `from_pretrained` (e.g. `revision`).
-    * a release folder written by `merge --full-weights` or `merge --prune-target`: its `model/` with its
-      `processor/` (`release_folders`), e.g. to train routers on a pruned release.
+    * a pruned release folder (`merge --prune-target`): its `model/` with its `processor/` (`release_folders`),
+      e.g. to train routers on a pruned, healed model.
     """
     kwargs = dict(kwargs or {})
     dtype = resolve_dtype(torch_dtype)

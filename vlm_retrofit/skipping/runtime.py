@@ -119,6 +119,7 @@ class SkipController:
         try:
             top = unwrap_model(adapter.model)
             self._restore.append((top.register_forward_pre_hook(self._capture_input_ids, with_kwargs=True), None))
+            self._restore.append((top.register_forward_hook(self._forget_input_ids), None))
             for block in self.patched_blocks:
                 for index in self.layout.layers_of_block(block):
                     self._patch(block, layers[index])
@@ -155,6 +156,11 @@ class SkipController:
         mask = kwargs.get("attention_mask")
         self._token_is_real = mask.bool() if isinstance(mask, Tensor) and mask.dim() == 2 else None
 
+    def _forget_input_ids(self, module: nn.Module, args: tuple, output: Any) -> None:
+        # The capture describes one call of the top model: a later forward that does not pass through it (the
+        # decoder called directly) must not take its image positions or padding.
+        self._token_is_image = self._token_is_real = None
+
     def _unpatch(self) -> None:
         for layer, previous in reversed(self._restore):
             if isinstance(layer, torch.utils.hooks.RemovableHandle):
@@ -172,9 +178,6 @@ class SkipController:
             state.token_is_image = self._token_is_image
         if self._token_is_real is not None and self._token_is_real.shape == tokens_shape:
             state.token_is_real = self._token_is_real
-        # The capture describes one call of the top model: a later forward that does not pass through it (the
-        # decoder called directly) must not take its image positions or padding.
-        self._token_is_image = self._token_is_real = None
         self._skip.clear()
         self._none_ran.clear()
         self._used = None

@@ -117,8 +117,8 @@ class RetrofitModule(pl.LightningModule):
         Args:
             backbone: HF hub id or local folder of the VLM (loaded with `from_pretrained`), or `tiny:<family>`
                 for an offline tiny model (`vlm_retrofit.testing.FAMILIES`). Real ids need the weights on disk
-                or a hub download. A release folder that holds full weights (`merge --full-weights`, or a pruned
-                release from `merge --prune-target`) is a backbone too: routers are trained on top of it.
+                or a hub download. A pruned release folder (`merge --prune-target`) is a backbone too: routers
+                are trained on top of the pruned model.
             router: depth-router settings (`vlm_retrofit.RouterConfig`: block_size, skippable / never-skip
                 blocks, skip_gate, ...). Default: per-layer routing, first and last block never skipped.
             lora: optional `peft.LoraConfig` fields (e.g. `{r: 8, lora_alpha: 16, target_modules: [q_proj,
