@@ -5,7 +5,7 @@ import torch
 from transformers import DynamicCache
 
 from vlm_retrofit import RouterAdapter, RouterConfig, attach_routers
-from vlm_retrofit.skipping import LayerCost, PatternPolicy, SkipSimulation, StaticPolicy, calibrate
+from vlm_retrofit.skipping import LayerCost, PatternPolicy, SkipSimulation, StaticPolicy, block_influence, calibrate
 from vlm_retrofit.testing import tiny_inputs, tiny_vlm
 
 
@@ -260,3 +260,16 @@ def test_accounting_reads_the_context_length_when_the_decoder_is_called_directly
         decoder(input_ids=torch.tensor([[8]]), cache=cache, use_cache=True)
     assert (report.prefill.forwards, report.decode.forwards) == (1, 1)
     assert report.prefill.tokens == 3 and report.decode.tokens == 1
+
+
+def test_block_influence_averages_over_real_tokens_only():
+    model, processor, adapter = _model()
+    batch = dict(tiny_inputs(processor, batch=1))
+    padded = dict(batch)  # the same row with right padding: its real tokens compute exactly as before
+    pad = torch.full_like(batch["input_ids"][:, :5], processor.pad_token_id)
+    padded["input_ids"] = torch.cat([batch["input_ids"], pad], dim=1)
+    padded["attention_mask"] = torch.cat([batch["attention_mask"], torch.zeros_like(batch["attention_mask"][:, :5])], dim=1)
+    alone, with_padding = block_influence(adapter, [batch]), block_influence(adapter, [padded])
+    assert alone.keys() == with_padding.keys() and all(v > 0 for v in alone.values())
+    for block, value in alone.items():
+        assert with_padding[block] == pytest.approx(value, rel=1e-4), block

@@ -68,11 +68,14 @@ def _run(adapter: RouterAdapter, batches: list[dict[str, Any]], policy: SkipPoli
 
 @torch.no_grad()
 def block_influence(adapter: RouterAdapter, batches: Iterable[Mapping[str, Any]]) -> dict[int, float]:
-    """ShortGPT's Block Influence of each block of the *base* model: mean over tokens of 1 - cos(in, out)."""
+    """ShortGPT's Block Influence of each block of the *base* model: 1 - cos(in, out), averaged over the real text
+    tokens (`scored_positions`, as every removal search scores: no padding, no image placeholders)."""
     model, layout = adapter.model, adapter.layout
     layers = adapter.spec.get_layers(model)
     inputs: dict[int, Tensor] = {}
-    totals: dict[int, list[float]] = defaultdict(list)
+    current: dict[str, Any] = {}
+    sums: dict[int, float] = defaultdict(float)
+    counts: dict[int, int] = defaultdict(int)
     handles = []
     for block in range(layout.num_blocks):
         span = layout.layers_of_block(block)
@@ -82,19 +85,28 @@ def block_influence(adapter: RouterAdapter, batches: Iterable[Mapping[str, Any]]
 
         def post(module, args, kwargs, output, block=block):
             out = (output[0] if isinstance(output, tuple) else output).float()
-            cos = torch.nn.functional.cosine_similarity(inputs.pop(block), out, dim=-1)
-            totals[block].append((1 - cos).mean().item())
+            influence = 1 - torch.nn.functional.cosine_similarity(inputs.pop(block), out, dim=-1)
+            scored, count = current["scored"], current["count"]
+            if scored.shape != influence.shape:  # a decoder that expands its input: every position counts
+                scored, count = torch.ones_like(influence, dtype=torch.bool), influence.numel()
+            sums[block] += float(influence[scored.to(influence.device)].sum())
+            counts[block] += count
 
         handles.append(layers[span[0]].register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(layers[span[-1]].register_forward_hook(post, with_kwargs=True))
     try:
         with adapter.disabled():
             for batch in batches:
-                model(**model_inputs(batch))
+                batch = model_inputs(batch)
+                ids = batch.get("input_ids")
+                current["scored"] = (scored_positions(adapter, batch, ids.shape) if ids is not None
+                                     else torch.ones(0, dtype=torch.bool))
+                current["count"] = int(current["scored"].sum())
+                model(**batch)
     finally:
         for handle in handles:
             handle.remove()
-    return {block: sum(v) / len(v) for block, v in totals.items()}
+    return {block: sums[block] / max(counts[block], 1) for block in sums}
 
 
 @torch.no_grad()
