@@ -3,10 +3,35 @@
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
 
 import torch
 from torch import Tensor
+
+
+@dataclass
+class OracleCount:
+    """The oracle's skipped / total layer executions over one `UpdateOracle.skipping` context."""
+
+    layer_share: float
+    """The oracle's layers as a share of all decoder layers (its skips as a fraction of every layer's executions)."""
+    skipped: int = 0
+    total: int = 0
+
+    @property
+    def skip_fraction(self) -> float:
+        """Over the oracle's layers."""
+        return self.skipped / self.total if self.total else 0.0
+
+    @property
+    def skipped_layer_fraction(self) -> float:
+        """Over every decoder layer, as `SkipReport.skipped_layer_fraction` counts."""
+        return self.skip_fraction * self.layer_share
+
+    @classmethod
+    def merged(cls, counts: "list[OracleCount]") -> "OracleCount":
+        return cls(counts[0].layer_share, sum(c.skipped for c in counts), sum(c.total for c in counts))
 
 
 class UpdateOracle:
@@ -21,7 +46,6 @@ class UpdateOracle:
         self.layers = list(layers)
         self.modules = layer_modules
         self.thresholds: dict[int, float] = {}
-        self.skipped = self.total = 0
 
     @staticmethod
     def _relative_update(args, kwargs, output) -> tuple[Tensor, Tensor, Tensor]:
@@ -67,12 +91,11 @@ class UpdateOracle:
 
         def realised(q: float) -> float:
             self.thresholds = {i: float(torch.quantile(u, q)) for i, u in updates.items()}
-            self.skipped = self.total = 0
-            with self.skipping(real=current):
+            with self.skipping(real=current) as count:
                 for batch in batches:
                     current["real"] = batch["attention_mask"].bool()
                     self.model(**batch)
-            return self.skip_fraction
+            return count.skip_fraction
 
         fraction = realised(rate)
         low, high = (rate, 1.0) if fraction < rate else (0.0, rate)  # the realised fraction grows with q
@@ -85,25 +108,22 @@ class UpdateOracle:
                 low = q
             else:
                 high = q
-        self.skipped = self.total = 0
         return fraction
 
     @contextlib.contextmanager
-    def skipping(self, real: dict[str, Tensor] | None = None) -> Iterator["UpdateOracle"]:
-        """Skip, per token, each layer whose update falls under its threshold, counting skipped / total layer
-        executions (only the real tokens' where `real["real"]` holds the current batch's attention mask)."""
+    def skipping(self, real: dict[str, Tensor] | None = None) -> Iterator[OracleCount]:
+        """Skip, per token, each layer whose update falls under its threshold; yields the count of skipped / total
+        executions of its layers in this context (only the real tokens' where `real["real"]` holds the current
+        batch's attention mask)."""
+        count = OracleCount(len(self.layers) / len(self.modules))
 
         def replace(i, args, kwargs, output):
             hidden, out, update = self._relative_update(args, kwargs, output)
             skip = update < self.thresholds[i]
             mask = real["real"] if real is not None and real["real"].shape == skip.shape else None
-            self.skipped += int(skip.sum() if mask is None else (skip & mask).sum())
-            self.total += skip.numel() if mask is None else int(mask.sum())
+            count.skipped += int(skip.sum() if mask is None else (skip & mask).sum())
+            count.total += skip.numel() if mask is None else int(mask.sum())
             return torch.where(skip[..., None], hidden, out)
 
         with self._hooks(replace):
-            yield self
-
-    @property
-    def skip_fraction(self) -> float:
-        return self.skipped / self.total if self.total else 0.0
+            yield count

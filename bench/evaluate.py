@@ -16,12 +16,15 @@ Method = Callable[[], ContextManager[Any]]
 
 
 @torch.no_grad()
-def perplexity(model, chunks: Iterable[Tensor], method: Method) -> float:
-    """Perplexity of `model` under `method` on token-id chunks (each [T]), no cache."""
+def perplexity(model, chunks: Iterable[Tensor], method: Method, reports: list | None = None) -> float:
+    """Perplexity of `model` under `method` on token-id chunks (each [T]), no cache; what `method` yields per
+    chunk (its skip report) is appended to `reports`."""
     total_nll, total_tokens = 0.0, 0
     for ids in chunks:
-        with method():
+        with method() as report:
             logits = model(input_ids=ids[None], use_cache=False).logits[0, :-1].float()
+        if reports is not None:
+            reports.append(report)
         total_nll += torch.nn.functional.cross_entropy(logits, ids[1:], reduction="sum").item()
         total_tokens += ids.numel() - 1
     return math.exp(total_nll / total_tokens)
@@ -40,8 +43,8 @@ def greedy(model, inputs: dict[str, Any], max_new_tokens: int, method: Method, p
 
 @torch.no_grad()
 def teacher_forced(model, inputs: dict[str, Any], continuation: Tensor, method: Method,
-                   base_logits: Tensor | None = None) -> tuple[Tensor, float, float]:
-    """Run prompt + the base's greedy continuation once under `method`.
+                   base_logits: Tensor | None = None, reports: list | None = None) -> tuple[Tensor, float, float]:
+    """Run prompt + the base's greedy continuation once under `method` (what it yields goes to `reports`).
 
     Returns the logits at the continuation positions, the top-1 agreement with the continuation (how often
     the method would have produced the base's token) and KL(base || method) averaged over those positions.
@@ -50,8 +53,10 @@ def teacher_forced(model, inputs: dict[str, Any], continuation: Tensor, method: 
     full["input_ids"] = torch.cat([inputs["input_ids"], continuation], dim=1)
     extra = continuation.shape[1]
     full["attention_mask"] = torch.cat([inputs["attention_mask"], torch.ones_like(continuation)], dim=1)
-    with method():
+    with method() as report:
         logits = model(**full, use_cache=False).logits[:, -extra - 1:-1].float()
+    if reports is not None:
+        reports.append(report)
     agreement = (logits.argmax(-1) == continuation).float().mean().item()
     kl = 0.0
     if base_logits is not None:

@@ -124,18 +124,45 @@ def selected_variants(names: list[str], train_steps: int | None = None) -> list[
     return [dataclasses.replace(v, steps=train_steps) if train_steps and v.steps else v for v in variants]
 
 
+def removal_settings(variant: Variant, orders: dict[str, list[int]], max_removed_blocks: int,
+                     speed_removed_blocks: int) -> dict[str, Any]:
+    """What a static variant trains without: its removal order (`orders`: "impact", "joint", "span") and how
+    many of its blocks a step removes (empty for the other policies)."""
+    if variant.policy != "static":
+        return {}
+    removed = speed_removed_blocks if variant.fixed_removal else max_removed_blocks
+    order = orders["span" if variant.span_order else "joint" if variant.joint_order else "impact"]
+    return {"removal_order": list(order), "max_removed_blocks": removed,
+            "min_removed_blocks": removed if variant.fixed_removal else 0}
+
+
+def stale_runs(variants: list[Variant], runs: Path, expected: dict[str, dict[str, Any]]) -> list[str]:
+    """The trained adapters in `runs` that would be reused but were trained without other blocks than this run
+    removes (e.g. an order searched again since): a static row would measure blocks its LoRA did not heal."""
+    stale = []
+    for variant in variants:
+        info_path = runs / variant.name / "train_info.json"
+        if not info_path.is_file():
+            continue
+        info = json.loads(info_path.read_text())
+        wrong = {k: info.get(k) for k, v in expected[variant.name].items() if info.get(k) != v}
+        if wrong:
+            stale.append(f"{runs / variant.name}: trained with {wrong}, this run needs "
+                         f"{ {k: expected[variant.name][k] for k in wrong} }")
+    return stale
+
+
 def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 # -- training -----------------------------------------------------------------------------------------------
 def train_variant(variant: Variant, backbone: str, shards: dict[str, Any], minutes: float, batch_size: int, *,
-                  removal_order: list[int], max_removed_blocks: int, speed_removed_blocks: int, runs: Path = RUNS,
-                  device: str = "cpu",
+                  removal: dict[str, Any], runs: Path = RUNS, device: str = "cpu",
                   dtype: str | None = None, precision: str = "32-true", num_workers: int = 1) -> dict:
     """Distil one router variant within a wall-clock budget; the adapter lands in RUNS/<name>/adapter.
 
-    Variants evaluated with the static policy train under the removal schedule over `removal_order`.
+    Variants evaluated with the static policy train under the removal schedule `removal` (`removal_settings`).
     """
     import lightning.pytorch as pl
 
@@ -149,10 +176,7 @@ def train_variant(variant: Variant, backbone: str, shards: dict[str, Any], minut
     module_args = {"lr": 5e-3, "warmup_steps": 20, "scheduler": "constant", **variant.module}
     if variant.steps:
         module_args.update(scheduler="cosine", total_steps=variant.steps)
-    if variant.policy == "static":
-        removed = speed_removed_blocks if variant.fixed_removal else max_removed_blocks
-        module_args.update(removal_order=removal_order, max_removed_blocks=removed,
-                           min_removed_blocks=removed if variant.fixed_removal else 0)
+    module_args.update(removal)
     module = RetrofitModule(backbone=backbone, model_class="bench.efficientnet_tower.LlavaForConditionalGeneration",
                             router=variant.router, torch_dtype=dtype, **module_args)
     data = WebDatasetDataModule(processor=backbone, train_shards=shards["train"], val_shards=shards["val"],
@@ -299,6 +323,12 @@ def main(argv: list[str] | None = None) -> int:
     span_order = span_removal_order(model, data.calibration, removal_order, speed_removed_blocks, max_removed_blocks,
                                     runs, log)
     variants = selected_variants(args.variants, args.train_steps)
+    orders = {"impact": removal_order, "joint": joint_order, "span": span_order}
+    removals = {v.name: removal_settings(v, orders, max_removed_blocks, speed_removed_blocks) for v in variants}
+    stale = stale_runs(variants, runs, removals)
+    if stale:  # refused before any work: reusing them would mislabel rows
+        raise SystemExit("trained adapters that do not match this run's removal orders (delete them to retrain):\n  "
+                         + "\n  ".join(stale))
     train_dtype = args.train_dtype or ("bfloat16" if args.train_precision == "bf16-mixed" else args.dtype)
     training = {}
     for variant in variants:
@@ -306,9 +336,8 @@ def main(argv: list[str] | None = None) -> int:
         log(f"reusing {variant.name} (delete its folder to retrain)" if cached
             else f"training {variant.name} for {args.train_minutes} min")
         training[variant.name] = train_variant(
-            variant, args.backbone, shards, args.train_minutes, args.batch_size,
-            removal_order=span_order if variant.span_order else joint_order if variant.joint_order else removal_order,
-            max_removed_blocks=max_removed_blocks, speed_removed_blocks=speed_removed_blocks, runs=runs, device=args.device,
+            variant, args.backbone, shards, args.train_minutes, args.batch_size, removal=removals[variant.name],
+            runs=runs, device=args.device,
             dtype=None if train_dtype == "float32" else train_dtype, precision=args.train_precision,
             num_workers=args.num_workers)
         log(f"trained {variant.name}: {training[variant.name]}")

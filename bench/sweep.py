@@ -68,9 +68,14 @@ class Bench:
         return {k: v for k, v in self.base.items() if isinstance(v, float)}
 
     def measure(self, method: Method, *, speed: bool) -> dict[str, Any]:
-        agreement, kl, captions, reports = [], [], [], []
+        """Quality under `method`, and the fraction of layer executions it realised in each workload: per-token
+        policies are calibrated on a mix of caption and text batches, so each workload can realise another
+        fraction than the target (`ppl_skipped_fraction`: the Austen chunks; `tf_skipped_fraction`: the whole
+        teacher-forced caption passes, prompt and continuation, whose continuation positions give agreement and
+        KL; `skipped_fraction`: the greedy captions). Each pass is one unpadded sequence, so every position counts."""
+        agreement, kl, captions, reports, forced_reports, ppl_reports = [], [], [], [], [], []
         for inputs, tokens, base_logits in zip(self.data.captions, self.base["continuations"], self.base["logits"]):
-            _, agree, divergence = teacher_forced(self.model, inputs, tokens, method, base_logits)
+            _, agree, divergence = teacher_forced(self.model, inputs, tokens, method, base_logits, forced_reports)
             agreement.append(agree)
             kl.append(divergence)
             generated, report, _ = greedy(self.model, inputs, self.new_tokens, method, self.pad)
@@ -79,16 +84,20 @@ class Bench:
         result = {
             "agreement": sum(agreement) / len(agreement),
             "kl": sum(kl) / len(kl),
-            "ppl_ratio": perplexity(self.model, self.data.text_chunks, method) / self.base["ppl"],
+            "ppl_ratio": perplexity(self.model, self.data.text_chunks, method, ppl_reports) / self.base["ppl"],
             "rouge_l": rouge_l(captions, self.data.references),
         }
         result["rouge_l_ratio"] = result["rouge_l"] / self.base["rouge_l"] if self.base["rouge_l"] else float("nan")
+        for key, workload in (("skipped_fraction", reports), ("tf_skipped_fraction", forced_reports),
+                              ("ppl_skipped_fraction", ppl_reports)):
+            fraction = realised_skipped_fraction(workload)
+            if fraction is not None:
+                result[key] = fraction
         if reports and all(hasattr(r, "executed_flops") for r in reports):
             from vlm_retrofit.skipping import SkipReport
 
             merged = SkipReport.merged(reports)
-            result.update(compute_saved=merged.compute_saved, compute_saved_decode=merged.decode.compute_saved,
-                          skipped_fraction=merged.skipped_layer_fraction)
+            result.update(compute_saved=merged.compute_saved, compute_saved_decode=merged.decode.compute_saved)
         if speed:
             result.update(self.measure_speed(method))
         return result
@@ -120,6 +129,14 @@ class Bench:
         return speed_ratio(self.model, inputs, method, self.base_method, self.pad, rounds=rounds or self.speed_rounds)
 
 
+def realised_skipped_fraction(reports: list) -> float | None:
+    """Token-weighted fraction of decoder-layer executions skipped over several passes, from what the method
+    yielded in each (`SkipReport`s, or the update oracle's counts); None when it yields no count (the base)."""
+    if not reports or any(r is None or not hasattr(r, "skipped_layer_fraction") for r in reports):
+        return None
+    return type(reports[0]).merged(reports).skipped_layer_fraction
+
+
 def with_replacement(method: Method, model, spec, replacement, layers: list[int]) -> tuple[Method, bool]:
     """`method` with a linear replacement (transforms, fitted layers) folded into the weights while it runs,
     when `layers` are exactly the removed layers it was fitted for; else `method` unchanged. (method, applied)"""
@@ -142,6 +159,23 @@ def _record(method: str, target: float, metrics: dict[str, Any], **extra: Any) -
     return {"method": method, "target": target, **{k: merged.get(k) for k in keys}, **merged}
 
 
+def search_key(model, calibration: list[dict[str, Any]]) -> dict[str, str]:
+    """What a removal search's result depends on besides its own settings: the positions it scores, the
+    calibration batches (their tensors) and the model (its dtype, and a digest of every parameter's sum; a rebuilt
+    projector changes it). Cached orders are reused only under the same key."""
+    batches = hashlib.sha256()
+    for batch in calibration:
+        for name in sorted(batch):
+            value = batch[name]
+            if isinstance(value, torch.Tensor):
+                batches.update(name.encode())
+                batches.update((value.float() if value.is_floating_point() else value).detach().cpu().numpy().tobytes())
+    parameters = list(model.parameters())
+    sums = torch.stack([p.detach().float().sum() for p in parameters]).cpu().numpy().tobytes()
+    return {"scored_on": SCORED_ON, "calibration": batches.hexdigest()[:16],
+            "model": f"{parameters[0].dtype}:{hashlib.sha256(sums).hexdigest()[:16]}"}
+
+
 def rank_blocks(model, calibration: list[dict[str, Any]], runs: Path, log: Callable[[str], None]) -> list[int]:
     """Skippable blocks by single-block removal impact (KL on the val calibration batches), cached on disk.
 
@@ -152,7 +186,8 @@ def rank_blocks(model, calibration: list[dict[str, Any]], runs: Path, log: Calla
     from vlm_retrofit.skipping import removal_impact
 
     path = runs / "removal_order.json"
-    if path.is_file() and json.loads(path.read_text()).get("scored_on") == SCORED_ON:
+    key = search_key(model, calibration)
+    if path.is_file() and json.loads(path.read_text()).get("key") == key:
         return json.loads(path.read_text())["order"]
     identity = attach_routers(model, RouterConfig(block_size=1))
     impact = removal_impact(identity, calibration)
@@ -160,7 +195,7 @@ def rank_blocks(model, calibration: list[dict[str, Any]], runs: Path, log: Calla
     order = sorted(impact, key=impact.__getitem__)
     log("single-block removal impact (KL per token, val): " + ", ".join(f"{b}:{impact[b]:.3f}" for b in order))
     runs.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"order": order, "impact": impact, "scored_on": SCORED_ON}, indent=2) + "\n")
+    path.write_text(json.dumps({"order": order, "impact": impact, "key": key}, indent=2) + "\n")
     return order
 
 
@@ -176,15 +211,16 @@ def joint_removal_order(model, calibration: list[dict[str, Any]], removal_order:
 
     path = runs / "joint_removal_order.json"
     pool = removal_order[:candidates]
+    key = search_key(model, calibration)
     if path.is_file():
         saved = json.loads(path.read_text())
-        if saved["candidates"] == pool and len(saved["order"]) >= num_blocks and saved.get("scored_on") == SCORED_ON:
+        if saved["candidates"] == pool and len(saved["order"]) >= num_blocks and saved.get("key") == key:
             return saved["order"][:num_blocks]
     identity = attach_routers(model, RouterConfig(block_size=1))
     order, costs = greedy_removal_order(identity, calibration, num_blocks, candidates=pool)
     identity.detach()
     log("greedy joint removal (KL per token after each pick, val): " + ", ".join(f"{b}:{c:.3f}" for b, c in zip(order, costs)))
-    path.write_text(json.dumps({"order": order, "kl": costs, "candidates": pool, "scored_on": SCORED_ON}, indent=2) + "\n")
+    path.write_text(json.dumps({"order": order, "kl": costs, "candidates": pool, "key": key}, indent=2) + "\n")
     return order
 
 
@@ -199,10 +235,11 @@ def span_removal_order(model, calibration: list[dict[str, Any]], removal_order: 
 
     path = runs / "span_removal_order.json"
     pool = removal_order[:candidates]
+    key = search_key(model, calibration)
     if path.is_file():
         saved = json.loads(path.read_text())
         if (saved["candidates"] == pool and saved["span_blocks"] == span_blocks and len(saved["order"]) >= num_blocks
-                and saved.get("scored_on") == SCORED_ON):
+                and saved.get("key") == key):
             return saved["order"][:num_blocks]
     identity = attach_routers(model, RouterConfig(block_size=1))
     span, costs = best_removal_span(identity, calibration, span_blocks)
@@ -216,21 +253,21 @@ def span_removal_order(model, calibration: list[dict[str, Any]], removal_order: 
         + "; then greedy joint: " + ", ".join(f"{b}:{c:.3f}" for b, c in zip(order[len(span):], kl[len(span):])))
     runs.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"order": order, "span_blocks": span_blocks, "span_kl": costs, "kl": kl,
-                                "candidates": pool, "scored_on": SCORED_ON}, indent=2) + "\n")
+                                "candidates": pool, "key": key}, indent=2) + "\n")
     return order[:num_blocks]
 
 
 def sweep(bench: Bench, targets: list[float], variants: list, speed_target: float, removal_order: list[int],
           joint_order: list[int], load_model: Callable[[], Any], runs: Path, log: Callable[[str], None], *,
           baseline_key: dict[str, Any] | None = None, reuse_baselines: bool = False, span_order: list[int] | None = None
-          ) -> tuple[list[dict[str, Any]], dict[str, float | None]]:
+          ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Every method at every target, one record each; plus the router overhead with skipping off
     (`router_overhead`: wall-clock ratio to the base; `router_time_share`: routing's share of a routed decode)."""
     from vlm_retrofit import RouterAdapter, calibrate
     from vlm_retrofit.replacement import load_replacements
 
     model, data, records = bench.model, bench.data, []
-    overhead: dict[str, float | None] = {"router_overhead": None, "router_time_share": None}
+    overhead: dict[str, Any] = {"router_overhead": None, "router_time_share": None}
     for variant in variants:
         adapter_dir = runs / variant.name / "adapter"
         lora_dir = adapter_dir / "lora"
@@ -248,6 +285,8 @@ def sweep(bench: Bench, targets: list[float], variants: list, speed_target: floa
             # Retrofit time ÷ base time with skipping off: routers attached vs disabled, measured alternately.
             overhead["router_overhead"] = 1.0 / bench.speed_ratio(data.captions[0], nullmethod, rounds=6)
             overhead["router_time_share"] = routing_share(model, adapter, data.captions[0], bench.pad, rounds=3)
+            # The cost scales with the number of routers: say whose routers these are.
+            overhead["router_overhead_measured_on"] = f"{variant.name} (block size {adapter.config.block_size})"
         # Trained routers with skipping off: what the retrofit itself costs before any block is skipped.
         records.append(_record(f"ours-{variant.name}", 0.0, bench.measure(nullmethod, speed=False), compute_saved=0.0))
         log(f"ours-{variant.name} routers only: {records[-1]}")
@@ -331,6 +370,7 @@ def measure_baselines(bench: Bench, targets: list[float], speed_target: float, r
     model, data, records = bench.model, bench.data, []
     key = {**key, "targets": list(targets), "speed_target": speed_target, "removal_order": list(removal_order),
            "base": bench.fingerprint(), "oracle_calibration": "bisected to the realised fraction",
+           "skipping_recorded": "per workload; Block Influence on real text positions",
            "span_order": list(span_order or [])}
     stored = json.loads(cache.read_text()) if reuse and cache.is_file() else {}
     earlier = {(r["method"], r["target"]): r for r in stored.get("records", [])} if stored.get("key") == key else {}
@@ -413,7 +453,6 @@ def measure_baselines(bench: Bench, targets: list[float], speed_target: float, r
             calibrated = oracle.calibrate(data.calibration, target * layout.num_layers / len(skippable_layers))
             metrics = bench.measure(oracle.skipping, speed=False)
             metrics["calibration_skipped_fraction"] = calibrated * len(skippable_layers) / layout.num_layers
-            metrics["skipped_fraction"] = oracle.skip_fraction * len(skippable_layers) / layout.num_layers
             records.append(_record(name, target, metrics))
         log(f"oracle @ {target:.2f}: {records[-1]}")
     cache.parent.mkdir(parents=True, exist_ok=True)

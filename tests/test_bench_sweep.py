@@ -81,6 +81,32 @@ def test_baselines_are_reused_only_under_the_same_key_and_their_speed_is_measure
         assert all(new[k] == old[k] for k in QUALITY if k in old)  # quality is deterministic
 
 
+def test_every_workload_records_the_skipping_it_realised():
+    from bench.baselines import OracleCount, UpdateOracle
+
+    bench = _bench()
+    identity = attach_routers(bench.model, RouterConfig(block_size=1))
+    static = bench.measure(lambda: identity.skipping("static", blocks=[2, 3]), speed=False)
+    for key in ("skipped_fraction", "tf_skipped_fraction", "ppl_skipped_fraction"):
+        assert static[key] == pytest.approx(2 / 6), key  # a static removal skips its share on every workload
+    assert "ppl_skipped_fraction" not in bench.measure(nullmethod, speed=False)  # the base yields no count
+    identity.detach()
+
+    # A per-token rule realises its own fraction on each workload: each counts that workload's passes only.
+    oracle = UpdateOracle(bench.model, range(1, 5), resolve(bench.model).get_layers(bench.model))
+    oracle.calibrate(bench.data.calibration, 0.5)
+    metrics = bench.measure(oracle.skipping, speed=False)
+    counts = []
+    with torch.no_grad():
+        for ids in bench.data.text_chunks:
+            with oracle.skipping() as count:
+                bench.model(input_ids=ids[None], use_cache=False)
+            counts.append(count)
+    assert metrics["ppl_skipped_fraction"] == pytest.approx(OracleCount.merged(counts).skipped_layer_fraction)
+    assert 0 < metrics["ppl_skipped_fraction"] < 4 / 6
+    assert metrics["skipped_fraction"] != metrics["ppl_skipped_fraction"]  # not one count over every pass
+
+
 def _pruned_ppl(bench, layers, transforms=None):
     import copy
 
@@ -173,6 +199,26 @@ def test_train_steps_override_only_the_fixed_step_variants():
     assert [VARIANTS[n].steps for n in names] == registered  # the registry is not modified
 
 
+def test_trained_adapters_of_other_removal_orders_are_found_before_any_work(tmp_path):
+    from bench.run import removal_settings, stale_runs
+
+    variants = selected_variants(["lora_mlp_joint_plain", "lora_mlp_span", "routed_static", "gate"])
+    orders = {"impact": [1, 2, 3], "joint": [3, 1, 2], "span": [2, 3, 1]}
+    expected = {v.name: removal_settings(v, orders, 3, 2) for v in variants}
+    assert expected["gate"] == {}  # per-token policies remove nothing
+    assert expected["lora_mlp_joint_plain"] == {"removal_order": [3, 1, 2], "max_removed_blocks": 2, "min_removed_blocks": 2}
+    assert expected["lora_mlp_span"]["removal_order"] == [2, 3, 1]
+    assert expected["routed_static"] == {"removal_order": [1, 2, 3], "max_removed_blocks": 3, "min_removed_blocks": 0}
+    for variant in variants:  # as train_variant records them
+        (tmp_path / variant.name).mkdir()
+        info = {"steps": 3, "removal_order": None, **expected[variant.name]}
+        (tmp_path / variant.name / "train_info.json").write_text(json.dumps(info))
+    assert stale_runs(variants, tmp_path, expected) == []
+    orders["joint"] = [1, 3, 2]  # the joint order searched again
+    stale = stale_runs(variants, tmp_path, {v.name: removal_settings(v, orders, 3, 2) for v in variants})
+    assert len(stale) == 1 and "lora_mlp_joint_plain" in stale[0] and "[1, 3, 2]" in stale[0]
+
+
 def test_routing_time_accumulates_over_forwards_and_leaves_the_adapter_as_it_was():
     model, tokenizer = tiny_vlm("llama", num_hidden_layers=4)
     adapter = attach_routers(model, RouterConfig(block_size=1))
@@ -233,11 +279,12 @@ def test_update_oracle_calibrates_on_the_fraction_it_realises_while_skipping():
     thresholds = dict(oracle.thresholds)
     # What calibrate reports is what skipping realises on those batches: counted over their real tokens.
     current = {}
-    with oracle.skipping(real=current), torch.no_grad():
+    with oracle.skipping(real=current) as count, torch.no_grad():
         for batch in batches:
             current["real"] = batch["attention_mask"].bool()
             model(**batch)
-    assert oracle.skip_fraction == pytest.approx(realised)
+    assert count.skip_fraction == pytest.approx(realised)
+    assert count.skipped_layer_fraction == pytest.approx(realised * 7 / 8)  # over all 8 layers, as SkipReport counts
     # The plain quantile (the level before bisection) realises another fraction on this model.
     assert abs(oracle.calibrate(batches, 0.3, max_steps=0) - 0.3) > 0.02
     assert oracle.thresholds != thresholds
@@ -261,3 +308,11 @@ def test_span_order_starts_with_the_cheapest_span_and_is_cached_under_its_settin
     (tmp_path / "span_removal_order.json").write_text(json.dumps(saved))
     assert span_removal_order(bench.model, calibration, removal_order, 2, 3, tmp_path, logged.append) == [4, 3, 2]
     assert span_removal_order(bench.model, calibration, removal_order, 3, 3, tmp_path, logged.append) != [4, 3, 2]
+    # Other calibration batches, or other weights (e.g. a rebuilt model), search again.
+    (tmp_path / "span_removal_order.json").write_text(json.dumps(saved))
+    other = [dict(batch, attention_mask=batch["attention_mask"].flip(-1)) for batch in calibration]
+    assert span_removal_order(bench.model, other, removal_order, 2, 3, tmp_path, logged.append) != [4, 3, 2]
+    (tmp_path / "span_removal_order.json").write_text(json.dumps(saved))
+    with torch.no_grad():
+        next(bench.model.parameters()).add_(1e-3)
+    assert span_removal_order(bench.model, calibration, removal_order, 2, 3, tmp_path, logged.append) != [4, 3, 2]
