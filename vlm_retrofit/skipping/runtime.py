@@ -202,8 +202,7 @@ class SkipController:
         if skip is None:
             self._record_decision(block, state, None)
             return
-        skipped, skipped_real = self._read_skip_counts(skip, state)
-        self.report.record_decision(block, self._real_tokens, skipped_real)
+        skipped = self._record_decision(block, state, skip)
         # Settle "nobody skips" and "everybody skips" once per block: the layer and the stream take fast paths.
         if skipped == 0:
             skip = None
@@ -227,15 +226,18 @@ class SkipController:
             self._real_tokens = values[2] if real is not None else skip.numel()
         return values[0], values[1]
 
-    def _record_decision(self, block: int, state: Any, skip: Tensor | None, *, everyone: bool = False) -> None:
-        """Skip rates count real tokens only: padding positions are computed but are nobody's output."""
+    def _record_decision(self, block: int, state: Any, skip: Tensor | None, *, everyone: bool = False) -> int:
+        """Skip rates count real tokens only: padding positions are computed but are nobody's output. Returns how
+        many tokens, padding included, skip (`skip` None: none, or all with `everyone`, which the caller knows)."""
+        if skip is not None:
+            skipped, skipped_real = self._read_skip_counts(skip, state)
+            self.report.record_decision(block, self._real_tokens, skipped_real)
+            return skipped
         real = state.token_is_real
         if self._real_tokens is None:  # once per forward: the same for every block
             self._real_tokens = int(real.sum()) if real is not None else state.routed_input.shape[:-1].numel()
-        skipped = self._real_tokens if everyone else 0
-        if skip is not None:
-            skipped = int((skip & real).sum()) if real is not None else int(skip.sum())
-        self.report.record_decision(block, self._real_tokens, skipped)
+        self.report.record_decision(block, self._real_tokens, self._real_tokens if everyone else 0)
+        return 0
 
     def _apply_budget(self, skip: Tensor | None) -> Tensor | None:
         if skip is None or self.budget is None:
