@@ -136,9 +136,23 @@ def removal_settings(variant: Variant, orders: dict[str, list[int]], max_removed
             "min_removed_blocks": removed if variant.fixed_removal else 0}
 
 
+# What a compute target counts in training (`SkipSimulation.counted_positions`); gates trained before counted
+# padding and image placeholders too, met their target by skipping those, and are trained again.
+COMPUTE_COUNTED_ON = "real text positions"
+
+
+def training_key(variant: Variant, removal: dict[str, Any]) -> dict[str, Any]:
+    """What a reused adapter of `variant` must have been trained with (its train_info.json): the removal
+    settings `removal`, and for a variant pulled to a compute target, what that target counted."""
+    if variant.module.get("compute_target") is None:
+        return dict(removal)
+    return {**removal, "compute_counted_on": COMPUTE_COUNTED_ON}
+
+
 def stale_runs(variants: list[Variant], runs: Path, expected: dict[str, dict[str, Any]]) -> list[str]:
-    """The trained adapters in `runs` that would be reused but were trained without other blocks than this run
-    removes (e.g. an order searched again since): a static row would measure blocks its LoRA did not heal."""
+    """The trained adapters in `runs` that would be reused but were trained otherwise than `expected`
+    (`training_key`), e.g. without other blocks than this run removes (an order searched again since): a static
+    row would measure blocks its LoRA did not heal."""
     stale = []
     for variant in variants:
         info_path = runs / variant.name / "train_info.json"
@@ -220,6 +234,7 @@ def train_variant(variant: Variant, backbone: str, shards: dict[str, Any], minut
             "min_removed_blocks": module.hparams.min_removed_blocks,
             "query_lr_scale": module.hparams.query_lr_scale, "distill_positions": module.hparams.distill_positions,
             "train_routers": module.hparams.train_routers,
+            **({"compute_counted_on": COMPUTE_COUNTED_ON} if module.hparams.compute_target is not None else {}),
             "device": device, "dtype": dtype or "float32", "precision": precision,
             "step_seconds": sum(steady) / max(1, len(steady)), "peak_rss_mb": _peak_rss_mb(),
             **({"peak_cuda_mb": round(torch.cuda.max_memory_allocated() / 2 ** 20, 1)} if cuda else {}),
@@ -325,9 +340,9 @@ def main(argv: list[str] | None = None) -> int:
     variants = selected_variants(args.variants, args.train_steps)
     orders = {"impact": removal_order, "joint": joint_order, "span": span_order}
     removals = {v.name: removal_settings(v, orders, max_removed_blocks, speed_removed_blocks) for v in variants}
-    stale = stale_runs(variants, runs, removals)
+    stale = stale_runs(variants, runs, {v.name: training_key(v, removals[v.name]) for v in variants})
     if stale:  # refused before any work: reusing them would mislabel rows
-        raise SystemExit("trained adapters that do not match this run's removal orders (delete them to retrain):\n  "
+        raise SystemExit("trained adapters that do not match this run's training (delete them to retrain):\n  "
                          + "\n  ".join(stale))
     train_dtype = args.train_dtype or ("bfloat16" if args.train_precision == "bf16-mixed" else args.dtype)
     training = {}

@@ -107,6 +107,34 @@ def test_every_workload_records_the_skipping_it_realised():
     assert metrics["skipped_fraction"] != metrics["ppl_skipped_fraction"]  # not one count over every pass
 
 
+def test_per_token_policies_are_calibrated_and_measured_per_workload():
+    from bench.sweep import calibrated_per_workload
+
+    bench = _bench()
+    adapter = attach_routers(bench.model, RouterConfig(block_size=1))
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for router in adapter.routers.values():
+            router.query.copy_(0.5 * torch.randn(router.query.shape, generator=generator))
+    text = [{"input_ids": torch.stack(bench.data.text_chunks), "attention_mask": torch.ones(2, 24, dtype=torch.long)}]
+    bench.data.calibration_by_workload = {"captions": bench.data.calibration, "text": text}
+    settings = calibrated_per_workload(adapter, bench.data, 0.3, "recent_weight", tolerance=0.02)
+    assert settings["captions"] != settings["text"]
+    # The text workload's settings realise the target on the text; measured under them, so does the perplexity.
+    methods = {w: (lambda s=s: adapter.skipping("recent_weight", **s)) for w, s in settings.items()}
+    metrics = bench.measure(methods["captions"], text_method=methods["text"], speed=False)
+    assert metrics["ppl_skipped_fraction"] == pytest.approx(0.3, abs=0.02)
+    pooled = bench.measure(methods["captions"], speed=False)
+    assert pooled["ppl_skipped_fraction"] != metrics["ppl_skipped_fraction"]
+    assert pooled["skipped_fraction"] == metrics["skipped_fraction"]  # the captions ran the same settings
+    # A static removal does not depend on the batches; without workloads both calibrate on the pooled batches.
+    static = calibrated_per_workload(adapter, bench.data, 0.3, "static", tolerance=0.02)
+    assert static["captions"] == static["text"] == {"blocks": static["text"]["blocks"]}
+    bench.data.calibration_by_workload = {}
+    pooled_settings = calibrated_per_workload(adapter, bench.data, 0.3, "recent_weight", tolerance=0.02)
+    assert pooled_settings["captions"] == pooled_settings["text"] == settings["captions"]
+
+
 def _pruned_ppl(bench, layers, transforms=None):
     import copy
 
@@ -199,8 +227,8 @@ def test_train_steps_override_only_the_fixed_step_variants():
     assert [VARIANTS[n].steps for n in names] == registered  # the registry is not modified
 
 
-def test_trained_adapters_of_other_removal_orders_are_found_before_any_work(tmp_path):
-    from bench.run import removal_settings, stale_runs
+def test_adapters_trained_otherwise_are_found_before_any_work(tmp_path):
+    from bench.run import removal_settings, stale_runs, training_key
 
     variants = selected_variants(["lora_mlp_joint_plain", "lora_mlp_span", "routed_static", "gate"])
     orders = {"impact": [1, 2, 3], "joint": [3, 1, 2], "span": [2, 3, 1]}
@@ -217,6 +245,11 @@ def test_trained_adapters_of_other_removal_orders_are_found_before_any_work(tmp_
     orders["joint"] = [1, 3, 2]  # the joint order searched again
     stale = stale_runs(variants, tmp_path, {v.name: removal_settings(v, orders, 3, 2) for v in variants})
     assert len(stale) == 1 and "lora_mlp_joint_plain" in stale[0] and "[1, 3, 2]" in stale[0]
+    # Gates pulled to a compute target that counted every position (before it counted real text only) are stale.
+    keys = {v.name: training_key(v, expected[v.name]) for v in variants}
+    assert keys["gate"] == {"compute_counted_on": "real text positions"} and keys["routed_static"] == expected["routed_static"]
+    stale = stale_runs(variants, tmp_path, keys)
+    assert len(stale) == 1 and "gate" in stale[0] and "compute_counted_on" in stale[0]
 
 
 def test_routing_time_accumulates_over_forwards_and_leaves_the_adapter_as_it_was():

@@ -177,6 +177,41 @@ def test_simulation_is_the_inference_skip_function_and_trains_the_gates():
     assert all(0 <= keep <= 1 for keep in simulation.realised_keep.values())
 
 
+def test_simulated_compute_counts_only_the_given_positions():
+    # Padding and image placeholders must not count towards the compute target: gates would meet it by
+    # skipping them, and a decode runs neither.
+    from vlm_retrofit.skipping.calibrate import scored_positions
+
+    model, processor, adapter = _model("qwen2_vl", skip_gate=True)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # gates that tell tokens apart (at init every token runs with about the same probability)
+        for gate in adapter.gates.values():
+            gate.query.copy_(torch.randn(gate.query.shape, generator=generator))
+    inputs = tiny_inputs(processor)
+    counted = scored_positions(adapter, inputs, inputs["input_ids"].shape)
+    assert not counted.all() and counted.any()  # the batch has both padding and image placeholders
+    probabilities = {}
+    handles = [gate.register_forward_hook(lambda module, args, out, block=int(block): probabilities.update({block: out}))
+               for block, gate in adapter.gates.items()]
+    try:
+        for positions in (counted, None):
+            simulation = SkipSimulation(adapter, drop_rate=0.3, use_gates=True, counted_positions=positions,
+                                        generator=torch.Generator().manual_seed(0))
+            with simulation:
+                model(**inputs)
+                ran = {block: simulation.ran(block) for block in adapter.layout.skippable_blocks}
+            where = counted if positions is not None else torch.ones_like(counted)
+            for block in adapter.layout.skippable_blocks:
+                expected = probabilities[block][where].mean() * 0.7
+                torch.testing.assert_close(simulation.expected_keep[block], expected)
+                assert simulation.realised_keep[block] == pytest.approx(float(ran[block][where].float().mean()))
+                if positions is not None:  # the rates over every position differ: the test tells them apart
+                    assert abs(float(expected) - float(probabilities[block].mean() * 0.7)) > 1e-3
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 @pytest.mark.parametrize("policy", ["recent_weight", "gate", "static", "random"])
 def test_calibration_reaches_its_target_on_the_calibration_data(policy, tmp_path):
     model, processor, adapter = _model("qwen2_vl", layers=8, skip_gate=True)
@@ -191,8 +226,8 @@ def test_calibration_reaches_its_target_on_the_calibration_data(policy, tmp_path
     # Static removal moves in whole blocks (1 of 8 layers); the others are tuned to within the tolerance.
     tolerance = 0.125 if policy == "static" else 0.03
     assert abs(result.achieved_saving - 0.25) <= tolerance, result.summary()
-    if policy == "recent_weight":
-        assert "image_thresholds" in result.settings  # image and text positions calibrated apart
+    if policy in ("recent_weight", "gate"):  # image and text positions calibrated apart
+        assert {"recent_weight": "image_thresholds", "gate": "image_threshold"}[policy] in result.settings
     # Stored with the adapter, and used by name.
     adapter.save_pretrained(tmp_path)
     adapter.detach()
@@ -202,6 +237,44 @@ def test_calibration_reaches_its_target_on_the_calibration_data(policy, tmp_path
         for batch in batches:
             fresh(**batch)
     assert report.skipped_layer_fraction == pytest.approx(result.achieved_saving, abs=1e-6)
+
+
+def test_per_modality_calibration_skips_image_and_text_positions_at_the_same_rate():
+    # One gate threshold for both modalities skips them at whatever rates their score distributions give;
+    # calibrated apart, each skips the same share of its positions (what a text workload will then realise).
+    from vlm_retrofit.skipping.policies import GatePolicy
+
+    class CountingGates(GatePolicy):
+        def __init__(self, **settings):
+            super().__init__(**settings)
+            self.counts = {"image": [0, 0], "text": [0, 0]}  # skipped, decided
+
+        def skip_mask(self, block, state, adapter):
+            skip = super().skip_mask(block, state, adapter)
+            for name, where in (("image", state.token_is_image), ("text", ~state.token_is_image)):
+                where = where & state.token_is_real
+                self.counts[name][0] += int(skip[where].sum())
+                self.counts[name][1] += int(where.sum())
+            return skip
+
+    model, processor, adapter = _model("qwen2_vl", layers=8, skip_gate=True)
+    generator = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for gate in adapter.gates.values():
+            gate.query.copy_(torch.randn(gate.query.shape, generator=generator))
+    batches = [tiny_inputs(processor, batch=2), tiny_inputs(processor, batch=2, with_image=False)]
+    rates = {}
+    for per_modality in (True, False):
+        result = calibrate(adapter, batches, 0.25, "gate", per_modality=per_modality, store=False, tolerance=0.02)
+        assert ("image_threshold" in result.settings) == per_modality
+        policy = CountingGates(**result.settings)
+        with torch.no_grad(), adapter.skipping(policy):
+            for batch in batches:
+                model(**batch)
+        assert policy.counts["image"][1] > 0 and policy.counts["text"][1] > 0
+        rates[per_modality] = {name: skipped / decided for name, (skipped, decided) in policy.counts.items()}
+    assert abs(rates[True]["image"] - rates[True]["text"]) <= 0.03, rates
+    assert abs(rates[False]["image"] - rates[False]["text"]) > 0.06, rates  # pooled: the modalities differ here
 
 
 def test_calibration_refuses_unreachable_targets():

@@ -295,11 +295,10 @@ def _settings_at(policy: str, scores: dict[str, dict[int, Tensor]], rate: float,
         return {b: (float(torch.quantile(v, level)) if 0 < rate < 1 else (edge if rate <= 0 else -edge))
                 for b, v in values.items()}
 
-    if policy == "gate":
-        return {"threshold": thresholds(pooled)}
-    settings: dict[str, Any] = {"thresholds": thresholds(pooled)}
+    key, image_key = ("threshold", "image_threshold") if policy == "gate" else ("thresholds", "image_thresholds")
+    settings: dict[str, Any] = {key: thresholds(pooled)}
     if per_modality and scores["image"]:
-        settings["image_thresholds"] = thresholds(scores["image"])
+        settings[image_key] = thresholds(scores["image"])
     return settings
 
 

@@ -99,25 +99,38 @@ class RecentWeightPolicy(SkipPolicy):
 
 
 class GatePolicy(SkipPolicy):
-    """Skip when the learned gate's run probability falls below `threshold`."""
+    """Skip when the learned gate's run probability falls below `threshold`.
+
+    `image_threshold`, when given, applies at visual-placeholder positions: gates run image tokens with far lower
+    probabilities than text, so one threshold for both skips mostly image positions, which only the prefill
+    holds (calibration sets them apart); `threshold` applies everywhere else.
+    """
 
     name = "gate"
 
-    def __init__(self, threshold: float | Mapping[int, float] = 0.5) -> None:
+    def __init__(self, threshold: float | Mapping[int, float] = 0.5,
+                 image_threshold: float | Mapping[int, float] | None = None) -> None:
         self.threshold = _per_block(threshold)
+        self.image_threshold = _per_block(image_threshold)
 
     def validate(self, layout: BlockLayout, adapter: Any) -> None:
         if not adapter.config.skip_gate:
             raise ValueError("the gate policy needs an adapter trained with RouterConfig(skip_gate=True); "
                              "use recent_weight, static or random instead")
-        if isinstance(self.threshold, dict):
-            _check_blocks("gate thresholds", self.threshold, layout)
+        for values in (self.threshold, self.image_threshold):
+            if isinstance(values, dict):
+                _check_blocks("gate thresholds", values, layout)
 
     def skip_mask(self, block: int, state: Any, adapter: Any) -> Tensor | None:
         threshold = _lookup(self.threshold, block)
-        if threshold is None:
+        image_threshold = _lookup(self.image_threshold, block)
+        if threshold is None and image_threshold is None:
             return None
-        return adapter.gates[str(block)](state.routed_input, adapter.config.key_norm_eps) < threshold
+        run = adapter.gates[str(block)](state.routed_input, adapter.config.key_norm_eps)
+        skip = run < (threshold if threshold is not None else float("-inf"))
+        if image_threshold is not None and state.token_is_image is not None:
+            skip = torch.where(state.token_is_image, run < image_threshold, skip)
+        return skip
 
 
 class StaticPolicy(SkipPolicy):

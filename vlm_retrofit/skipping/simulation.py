@@ -21,14 +21,18 @@ class SkipSimulation(SkipController):
     the gate; the skipped block's delta is absent from later routers just as at inference.
     `removed_blocks` are skipped by every token in this forward (a removal schedule: the routers learn to
     re-weight around blocks a static policy will remove at inference).
+    `counted_positions` (bool [B, T], e.g. the real text positions) are the tokens whose compute the expected and
+    realised keep rates average over; default every position. Counted over padding and image placeholders too,
+    a compute target is met most cheaply by skipping those, which a decode never runs.
     """
 
     mode = "blend"
 
     def __init__(self, adapter: RouterAdapter, drop_rate: float = 0.0, *, use_gates: bool = True,
                  budget: int | float | None = None, generator: torch.Generator | None = None,
-                 removed_blocks: Iterable[int] = ()) -> None:
+                 removed_blocks: Iterable[int] = (), counted_positions: Tensor | None = None) -> None:
         super().__init__(adapter, policy=None, budget=budget)
+        self.counted_positions = counted_positions
         self.removed_blocks = frozenset(int(b) for b in removed_blocks)
         if not self.removed_blocks <= self.skippable:
             raise ValueError(f"removed_blocks {sorted(self.removed_blocks - self.skippable)} are not skippable; "
@@ -69,12 +73,13 @@ class SkipSimulation(SkipController):
             self._record_decision(block, state, skip)
             return
         run = self._uniform(routed[..., 0]) >= self.drop_rate
+        counted = self._counted(run)
         keep_prob = torch.full((), 1.0 - self.drop_rate, device=routed.device)
         gate_prob = None
         if self.use_gates:
             gate_prob = self.adapter.gates[str(block)](routed, self.adapter.config.key_norm_eps)
             run = run & (self._uniform(gate_prob) < gate_prob.detach())
-            keep_prob = gate_prob.mean() * (1.0 - self.drop_rate)
+            keep_prob = gate_prob[counted].mean() * (1.0 - self.drop_rate)
         skip = self._apply_budget(~run)  # a token out of budget runs the block after all
         multiplier = (~skip).float()
         if gate_prob is not None:
@@ -82,8 +87,16 @@ class SkipSimulation(SkipController):
         self._skip[block] = skip
         self._multiplier[block] = multiplier
         self.expected_keep[block] = keep_prob
-        self.realised_keep[block] = 1.0 - float(skip.float().mean())
+        self.realised_keep[block] = 1.0 - float(skip[counted].float().mean())
         self._record_decision(block, state, skip)
+
+    def _counted(self, like: Tensor) -> Tensor:
+        """Bool [B, T] of the positions the keep rates average over (every position when none were given, when
+        their shape is not this forward's, or when none is counted)."""
+        counted = self.counted_positions
+        if counted is None or counted.shape != like.shape or not bool(counted.any()):
+            return torch.ones_like(like, dtype=torch.bool)
+        return counted.to(like.device)
 
     def bypasses(self, block: int) -> bool:
         # A removed block's routed input would feed a layer whose output nothing uses: do not compute it.

@@ -423,14 +423,16 @@ class RetrofitModule(pl.LightningModule):
         rank = self.global_rank if self._trainer is not None else 0
         return (int(self.hparams.seed) * 1_000_003 + step * 7_919 + rank * 104_729 + stage * 15_485_863) % (2 ** 62)
 
-    def simulation(self, drop_rate: float, seed: int, removed: list[int] | None = None):
-        """A `vlm_retrofit.skipping.SkipSimulation` for one student forward (None when nothing can skip)."""
+    def simulation(self, drop_rate: float, seed: int, removed: list[int] | None = None,
+                   counted_positions: Tensor | None = None):
+        """A `vlm_retrofit.skipping.SkipSimulation` for one student forward (None when nothing can skip); its
+        compute counts `counted_positions` (default: every position)."""
         gates = bool(self.hparams.use_gates and self.adapter.config.skip_gate)
         if not self.adapter.layout.skippable_blocks:
             return None
         generator = torch.Generator().manual_seed(seed)  # CPU: the same masks on any device
         return SkipSimulation(self.adapter, drop_rate=drop_rate, use_gates=gates, budget=self.hparams.skip_budget,
-                              generator=generator, removed_blocks=removed or ())
+                              generator=generator, removed_blocks=removed or (), counted_positions=counted_positions)
 
     def _forward(self, inputs: dict[str, Any], keep: Tensor | None):
         if keep is not None:
@@ -474,7 +476,9 @@ class RetrofitModule(pl.LightningModule):
                   layers_removed(self.model, self.adapter.spec, layers)):
                 student = self._forward(inputs, keep)
         else:
-            sim = self.simulation(drop_rate, seed, removed)
+            # The compute a decode saves is on text tokens: padding and image placeholders do not count.
+            sim = self.simulation(drop_rate, seed, removed,
+                                  scored_positions(self.adapter, inputs, inputs["input_ids"].shape))
             with sim if sim is not None else contextlib.nullcontext():
                 student = self._forward(inputs, keep)
         kl = distillation_kl(student.logits, teacher.logits, mask, self.hparams.temperature)
