@@ -33,6 +33,8 @@ def _recipe(info: dict[str, Any]) -> str:
         parts.append(f"queries at {info['query_lr_scale']:g}x lr")
     if info.get("distill_positions"):
         parts.append(f"KL on {info['distill_positions']} positions")
+    if info.get("compute_counted_on"):
+        parts.append(f"compute target counted on {info['compute_counted_on']}")
     if info.get("max_removed_blocks"):
         parts.append(f"removal schedule k = {info.get('min_removed_blocks', 0)}..{info['max_removed_blocks']}")
     return f"; {', '.join(parts)}" if parts else ""

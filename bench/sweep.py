@@ -504,21 +504,29 @@ def build_eval_set(processor, manifest: dict[str, Any], args) -> EvalSet:
     from vlm_retrofit.batch import model_inputs
     from vlm_retrofit.datamodules import WebDatasetDataModule
 
-    from .data import tuxpaint_split
+    from .data import austen_split, tuxpaint_split
     from .real_vlm import load_image
 
     tokenizer = getattr(processor, "tokenizer", processor)
     test = tuxpaint_split("test")[: args.caption_samples]
     images = [load_image(path) for path, _ in test]
     captions = [prompt_inputs(processor, [image]) for image in images]
-    by_workload: dict[str, list[dict[str, Any]]] = {}
-    for workload, name in (("captions", "captions-val"), ("text", "austen-val")):
+    calibration = []
+    for name in ("captions-val", "austen-val"):
         data = WebDatasetDataModule(processor=args.backbone, val_shards=manifest["shards"][name]["dir"],
                                     train_shards=manifest["shards"][name]["dir"], batch_size=4, num_workers=0,
                                     max_length=384, add_quality_callback=False)
         data.setup("validate")
-        by_workload[workload] = [model_inputs(batch)
-                                 for batch, _ in zip(data.val_dataloader(), range(args.calibration_batches))]
+        calibration.append([model_inputs(batch)
+                            for batch, _ in zip(data.val_dataloader(), range(args.calibration_batches))])
+    # Per-token policies are calibrated on each workload as it is measured: the caption val batches for the
+    # captions, and for the perplexity raw val text in chunks like the test's. Calibrated on the Austen val
+    # *conversations* (chat template, padding) instead, `gate_b3` skipped 4 % of the test text's layer
+    # executions at the 10 % target.
+    val_text = "\n\n".join(austen_split("val", words=manifest["params"]["words"])) + "\n"
+    val_chunks = _chunks(tokenizer, val_text, args.chunk_tokens, 4 * args.calibration_batches)
+    text_calibration = [torch.stack(val_chunks[i:i + 4]) for i in range(0, len(val_chunks), 4)]
+    text_calibration = [{"input_ids": ids, "attention_mask": torch.ones_like(ids)} for ids in text_calibration]
     replacement_calibration = []
     for name in ("captions-train", "austen-train"):  # read in order, like the val splits above
         data = WebDatasetDataModule(processor=args.backbone, val_shards=manifest["shards"][name]["dir"],
@@ -532,10 +540,12 @@ def build_eval_set(processor, manifest: dict[str, Any], args) -> EvalSet:
     def to(inputs: dict[str, Any]) -> dict[str, Any]:
         return {k: v.to(args.device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
 
-    by_workload = {workload: [to(b) for b in batches] for workload, batches in by_workload.items()}
+    caption_batches = len(calibration[0])
+    calibration = [to(b) for batches in calibration for b in batches]
     return EvalSet(captions=[to(c) for c in captions], references=[caption for _, caption in test],
                    batch8=to(prompt_inputs(processor, (images * 8)[:8])),
                    text_chunks=[c.to(args.device) for c in _chunks(tokenizer, text, args.chunk_tokens, args.text_chunks)],
-                   calibration=[b for batches in by_workload.values() for b in batches],
-                   calibration_by_workload=by_workload,
+                   calibration=calibration,
+                   calibration_by_workload={"captions": calibration[:caption_batches],
+                                            "text": [to(b) for b in text_calibration]},
                    replacement_calibration=[(to(b), m.to(args.device)) for b, m in replacement_calibration])
