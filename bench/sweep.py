@@ -30,8 +30,9 @@ class EvalSet:
     text_chunks: list[torch.Tensor]     # held-out Austen token chunks for perplexity
     calibration: list[dict[str, Any]]   # caption + text batches from the val splits (also rank blocks for removal)
     calibration_by_workload: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
-    """The same batches by workload ("captions", "text"): per-token policies are calibrated on the workload each
-    measurement runs (empty: on `calibration` for both)."""
+    """Val batches by workload: "captions" (the caption batches of `calibration`) and "text" (raw val text chunked
+    like `text_chunks`). Per-token policies are calibrated on the workload each measurement runs (empty: on
+    `calibration` for both)."""
     replacement_calibration: list[tuple[dict[str, Any], torch.Tensor]] = field(default_factory=list)
     """(inputs, real-token mask) batches from the *train* splits that the training-free linear replacement
     baseline is fitted on (empty: that baseline is not measured)."""

@@ -101,9 +101,10 @@ class RecentWeightPolicy(SkipPolicy):
 class GatePolicy(SkipPolicy):
     """Skip when the learned gate's run probability falls below `threshold`.
 
-    `image_threshold`, when given, applies at visual-placeholder positions: gates run image tokens with far lower
-    probabilities than text, so one threshold for both skips mostly image positions, which only the prefill
-    holds (calibration sets them apart); `threshold` applies everywhere else.
+    `image_threshold`, when given, applies at visual-placeholder positions; `threshold` applies everywhere else.
+    Gates can score image and text tokens very differently (the benchmark's skipped image positions most), and
+    one threshold for both then realises another skip rate on text, which is what a decode runs; calibration
+    sets them apart.
     """
 
     name = "gate"

@@ -23,7 +23,7 @@ class SkipSimulation(SkipController):
     re-weight around blocks a static policy will remove at inference).
     `counted_positions` (bool [B, T], e.g. the real text positions) are the tokens whose compute the expected and
     realised keep rates average over; default every position. Counted over padding and image placeholders too,
-    a compute target is met most cheaply by skipping those, which a decode never runs.
+    a compute target is met most cheaply by skipping those, which saves a decode nothing.
     """
 
     mode = "blend"
