@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from .report import write_report
-from .sweep import Bench, build_eval_set, joint_removal_order, rank_blocks, span_removal_order, sweep
+from .sweep import Bench, build_eval_set, joint_removal_order, rank_blocks, search_key, span_removal_order, sweep
 
 ROOT = Path(__file__).resolve().parent
 CACHE = ROOT / ".cache"
@@ -329,14 +329,15 @@ def main(argv: list[str] | None = None) -> int:
     model = model.to(args.device).eval()
     data = build_eval_set(processor, manifest, args)
     runs = Path(args.runs)
-    removal_order = rank_blocks(model, data.calibration, runs, log)
+    key = search_key(model, data.calibration)  # what the cached removal searches were run on
+    removal_order = rank_blocks(model, data.calibration, runs, log, key=key)
     # The schedule covers every target: enough single-layer blocks to remove the largest target's share.
     num_layers = model.config.get_text_config().num_hidden_layers
     max_removed_blocks = min(len(removal_order), math.ceil(max(args.targets) * num_layers - 1e-9))
     speed_removed_blocks = min(len(removal_order), math.ceil(args.speed_target * num_layers - 1e-9))
-    joint_order = joint_removal_order(model, data.calibration, removal_order, max_removed_blocks, runs, log)
+    joint_order = joint_removal_order(model, data.calibration, removal_order, max_removed_blocks, runs, log, key=key)
     span_order = span_removal_order(model, data.calibration, removal_order, speed_removed_blocks, max_removed_blocks,
-                                    runs, log)
+                                    runs, log, key=key)
     variants = selected_variants(args.variants, args.train_steps)
     orders = {"impact": removal_order, "joint": joint_order, "span": span_order}
     removals = {v.name: removal_settings(v, orders, max_removed_blocks, speed_removed_blocks) for v in variants}

@@ -182,8 +182,10 @@ def search_key(model, calibration: list[dict[str, Any]]) -> dict[str, str]:
             "model": f"{parameters[0].dtype}:{hashlib.sha256(sums).hexdigest()[:16]}"}
 
 
-def rank_blocks(model, calibration: list[dict[str, Any]], runs: Path, log: Callable[[str], None]) -> list[int]:
-    """Skippable blocks by single-block removal impact (KL on the val calibration batches), cached on disk.
+def rank_blocks(model, calibration: list[dict[str, Any]], runs: Path, log: Callable[[str], None], *,
+                key: dict[str, str] | None = None) -> list[int]:
+    """Skippable blocks by single-block removal impact (KL on the val calibration batches), cached on disk under
+    `key` (default: `search_key` of the model and batches, which a caller running several searches computes once).
 
     One order serves static greedy removal and the removal schedule of the `routed_static` variants, so at
     init those variants *are* static greedy removal: any difference is what training the routers bought.
@@ -192,7 +194,7 @@ def rank_blocks(model, calibration: list[dict[str, Any]], runs: Path, log: Calla
     from vlm_retrofit.skipping import removal_impact
 
     path = runs / "removal_order.json"
-    key = search_key(model, calibration)
+    key = key or search_key(model, calibration)
     if path.is_file() and json.loads(path.read_text()).get("key") == key:
         return json.loads(path.read_text())["order"]
     identity = attach_routers(model, RouterConfig(block_size=1))
@@ -206,8 +208,10 @@ def rank_blocks(model, calibration: list[dict[str, Any]], runs: Path, log: Calla
 
 
 def joint_removal_order(model, calibration: list[dict[str, Any]], removal_order: list[int], num_blocks: int,
-                        runs: Path, log: Callable[[str], None], candidates: int = 14) -> list[int]:
-    """The first `num_blocks` blocks of greedy joint removal (KL on the val calibration batches), cached on disk.
+                        runs: Path, log: Callable[[str], None], candidates: int = 14, *,
+                        key: dict[str, str] | None = None) -> list[int]:
+    """The first `num_blocks` blocks of greedy joint removal (KL on the val calibration batches), cached on disk
+    (under `key`, as `rank_blocks`).
 
     The search is narrowed to the `candidates` cheapest blocks by single-block impact (the others cost 1.5-10x
     more alone): ~num_blocks x candidates passes over the calibration batches.
@@ -217,7 +221,7 @@ def joint_removal_order(model, calibration: list[dict[str, Any]], removal_order:
 
     path = runs / "joint_removal_order.json"
     pool = removal_order[:candidates]
-    key = search_key(model, calibration)
+    key = key or search_key(model, calibration)
     if path.is_file():
         saved = json.loads(path.read_text())
         if saved["candidates"] == pool and len(saved["order"]) >= num_blocks and saved.get("key") == key:
@@ -231,17 +235,18 @@ def joint_removal_order(model, calibration: list[dict[str, Any]], removal_order:
 
 
 def span_removal_order(model, calibration: list[dict[str, Any]], removal_order: list[int], span_blocks: int,
-                       num_blocks: int, runs: Path, log: Callable[[str], None], candidates: int = 14) -> list[int]:
+                       num_blocks: int, runs: Path, log: Callable[[str], None], candidates: int = 14, *,
+                       key: dict[str, str] | None = None) -> list[int]:
     """The run of `span_blocks` adjacent blocks whose removal costs the least KL on the val calibration batches
     (ordered by single-block impact), then greedy joint removal continued from it among the `candidates` cheapest
-    blocks up to `num_blocks`; cached on disk. Greedy joint removal adds one block at a time and can miss sets
+    blocks up to `num_blocks`; cached on disk (under `key`, as `rank_blocks`). Greedy joint removal adds one block at a time and can miss sets
     whose members are costly alone but cheap together; a span is scored whole."""
     from vlm_retrofit import RouterConfig, attach_routers
     from vlm_retrofit.skipping import best_removal_span, greedy_removal_order
 
     path = runs / "span_removal_order.json"
     pool = removal_order[:candidates]
-    key = search_key(model, calibration)
+    key = key or search_key(model, calibration)
     if path.is_file():
         saved = json.loads(path.read_text())
         if (saved["candidates"] == pool and saved["span_blocks"] == span_blocks and len(saved["order"]) >= num_blocks

@@ -349,3 +349,15 @@ def test_span_order_starts_with_the_cheapest_span_and_is_cached_under_its_settin
     with torch.no_grad():
         next(bench.model.parameters()).add_(1e-3)
     assert span_removal_order(bench.model, calibration, removal_order, 2, 3, tmp_path, logged.append) != [4, 3, 2]
+    # A key computed once by the caller is the one the cache is stored and checked under.
+    from bench.sweep import search_key
+
+    key = search_key(bench.model, calibration)
+    span_removal_order(bench.model, calibration, removal_order, 2, 3, tmp_path, logged.append, key=key)
+    saved = json.loads((tmp_path / "span_removal_order.json").read_text())
+    assert saved["key"] == key
+    saved["order"] = [4, 3, 2]
+    (tmp_path / "span_removal_order.json").write_text(json.dumps(saved))
+    assert span_removal_order(bench.model, calibration, removal_order, 2, 3, tmp_path, logged.append, key=key) == [4, 3, 2]
+    assert span_removal_order(bench.model, calibration, removal_order, 2, 3, tmp_path, logged.append,
+                              key={**key, "model": "another"}) != [4, 3, 2]
