@@ -210,6 +210,8 @@ def test_simulated_compute_counts_only_the_given_positions():
     finally:
         for handle in handles:
             handle.remove()
+    # Nothing counted (a batch of padding only) counts every position rather than dividing by zero.
+    assert SkipSimulation(adapter, counted_positions=torch.zeros_like(counted)).counted_positions is None
 
 
 @pytest.mark.parametrize("policy", ["recent_weight", "gate", "static", "random"])

@@ -65,6 +65,16 @@ def _lookup(values: float | dict[int, float] | None, block: int) -> float | None
     return values.get(block) if isinstance(values, dict) else values
 
 
+def _skip_by_modality(score: Tensor, threshold: float | None, image_threshold: float | None, token_is_image: Tensor | None,
+                      skips: Callable[[Tensor, float], Tensor]) -> Tensor:
+    """`skips(score, threshold)` at text positions and `skips(score, image_threshold)` at visual placeholders (when
+    both are known); a position whose threshold is None runs."""
+    skip = skips(score, threshold) if threshold is not None else torch.zeros_like(score, dtype=torch.bool)
+    if image_threshold is not None and token_is_image is not None:
+        skip = torch.where(token_is_image, skips(score, image_threshold), skip)
+    return skip
+
+
 class RecentWeightPolicy(SkipPolicy):
     """Skip when the router puts more than a per-block threshold on the most recent present source (ReSkip).
 
@@ -91,11 +101,8 @@ class RecentWeightPolicy(SkipPolicy):
         image_threshold = _lookup(self.image_thresholds, block)
         if threshold is None and image_threshold is None:
             return None
-        weight = recent_source_weight(state, str(block))
-        skip = weight > (threshold if threshold is not None else float("inf"))
-        if image_threshold is not None and state.token_is_image is not None:
-            skip = torch.where(state.token_is_image, weight > image_threshold, skip)
-        return skip
+        return _skip_by_modality(recent_source_weight(state, str(block)), threshold, image_threshold,
+                                 state.token_is_image, torch.gt)
 
 
 class GatePolicy(SkipPolicy):
@@ -128,10 +135,7 @@ class GatePolicy(SkipPolicy):
         if threshold is None and image_threshold is None:
             return None
         run = adapter.gates[str(block)](state.routed_input, adapter.config.key_norm_eps)
-        skip = run < (threshold if threshold is not None else float("-inf"))
-        if image_threshold is not None and state.token_is_image is not None:
-            skip = torch.where(state.token_is_image, run < image_threshold, skip)
-        return skip
+        return _skip_by_modality(run, threshold, image_threshold, state.token_is_image, torch.lt)
 
 
 class StaticPolicy(SkipPolicy):

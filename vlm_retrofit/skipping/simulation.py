@@ -32,7 +32,9 @@ class SkipSimulation(SkipController):
                  budget: int | float | None = None, generator: torch.Generator | None = None,
                  removed_blocks: Iterable[int] = (), counted_positions: Tensor | None = None) -> None:
         super().__init__(adapter, policy=None, budget=budget)
-        self.counted_positions = counted_positions
+        # Nothing counted (e.g. a batch of padding only) counts every position.
+        self.counted_positions = (counted_positions if counted_positions is not None and bool(counted_positions.any())
+                                  else None)
         self.removed_blocks = frozenset(int(b) for b in removed_blocks)
         if not self.removed_blocks <= self.skippable:
             raise ValueError(f"removed_blocks {sorted(self.removed_blocks - self.skippable)} are not skippable; "
@@ -73,13 +75,12 @@ class SkipSimulation(SkipController):
             self._record_decision(block, state, skip)
             return
         run = self._uniform(routed[..., 0]) >= self.drop_rate
-        counted = self._counted(run)
         keep_prob = torch.full((), 1.0 - self.drop_rate, device=routed.device)
         gate_prob = None
         if self.use_gates:
             gate_prob = self.adapter.gates[str(block)](routed, self.adapter.config.key_norm_eps)
             run = run & (self._uniform(gate_prob) < gate_prob.detach())
-            keep_prob = gate_prob[counted].mean() * (1.0 - self.drop_rate)
+            keep_prob = self._counted_mean(gate_prob) * (1.0 - self.drop_rate)
         skip = self._apply_budget(~run)  # a token out of budget runs the block after all
         multiplier = (~skip).float()
         if gate_prob is not None:
@@ -87,16 +88,17 @@ class SkipSimulation(SkipController):
         self._skip[block] = skip
         self._multiplier[block] = multiplier
         self.expected_keep[block] = keep_prob
-        self.realised_keep[block] = 1.0 - float(skip[counted].float().mean())
+        self.realised_keep[block] = 1.0 - float(self._counted_mean(skip.float()))
         self._record_decision(block, state, skip)
 
-    def _counted(self, like: Tensor) -> Tensor:
-        """Bool [B, T] of the positions the keep rates average over (every position when none were given, when
-        their shape is not this forward's, or when none is counted)."""
+    def _counted_mean(self, values: Tensor) -> Tensor:
+        """Mean of `values` [B, T] over the counted positions (all of them when none were given or their shape is
+        not this forward's). A weighted sum, not a boolean index: no device sync per block."""
         counted = self.counted_positions
-        if counted is None or counted.shape != like.shape or not bool(counted.any()):
-            return torch.ones_like(like, dtype=torch.bool)
-        return counted.to(like.device)
+        if counted is None or counted.shape != values.shape:
+            return values.mean()
+        weight = counted.to(device=values.device, dtype=torch.float32)  # bf16 sums over many tokens lose digits
+        return (values.float() * weight).sum() / weight.sum()
 
     def bypasses(self, block: int) -> bool:
         # A removed block's routed input would feed a layer whose output nothing uses: do not compute it.
