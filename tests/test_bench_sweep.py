@@ -49,7 +49,12 @@ def test_baselines_are_reused_only_under_the_same_key_and_their_speed_is_measure
     cache = tmp_path / "baselines.json"
     first = _run(bench, cache, {"caption_samples": 2}, reuse=False)
     assert {r["method"] for r in first} == {"static-block-influence", "static-greedy-impact", "static-greedy-joint",
-                                            "static-span", "random", "oracle-update (runs every layer)"}
+                                            "static-span", "random", "oracle-update (runs every layer)",
+                                            "random-cheapest", "oracle-update-cheapest (runs every layer)"}
+    # Restricted to the cheapest blocks by the removal order: 1.5 x the 2 blocks a static removal takes, of 4.
+    cheapest = next(r for r in first if r["method"] == "random-cheapest")
+    assert cheapest["settings"]["blocks"] == [1, 2, 3]
+    assert next(r for r in first if r["method"].startswith("oracle-update-cheapest"))["candidate_blocks"] == [1, 2, 3]
     assert json.loads(cache.read_text())["records"] == json.loads(json.dumps(first))
     greedy = next(r for r in first if r["method"] == "static-greedy-impact")
     assert greedy["settings"] == {"blocks": [2, 3]}  # the order's prefix removing >= 25 % of 6 layers
@@ -65,7 +70,7 @@ def test_baselines_are_reused_only_under_the_same_key_and_their_speed_is_measure
     reused = _run(bench, cache, {"caption_samples": 2}, reuse=True)
     assert all(r["quality_from_earlier_run"] and r["agreement"] == -1.0 for r in reused)
     for record in reused:  # the speed target's decode speed is measured in this run, except the oracle's
-        measured = record["method"] != "oracle-update (runs every layer)"
+        measured = not record["method"].startswith("oracle-update")
         assert (record["decode_speedup_b1"] is not None) == measured
         assert record["decode_speedup_b1"] is None or record["decode_speedup_b1"] > 0
 
@@ -361,3 +366,14 @@ def test_span_order_starts_with_the_cheapest_span_and_is_cached_under_its_settin
     assert span_removal_order(bench.model, calibration, removal_order, 2, 3, tmp_path, logged.append, key=key) == [4, 3, 2]
     assert span_removal_order(bench.model, calibration, removal_order, 2, 3, tmp_path, logged.append,
                               key={**key, "model": "another"}) != [4, 3, 2]
+
+
+def test_per_token_candidates_are_half_again_the_blocks_a_static_removal_takes():
+    from bench.sweep import candidate_count
+
+    from vlm_retrofit import RouterConfig
+
+    per_layer, per_three = RouterConfig(block_size=1).layout(30), RouterConfig(block_size=3).layout(30)
+    assert [candidate_count(per_layer, t) for t in (0.1, 0.2, 0.3)] == [5, 9, 14]
+    assert [candidate_count(per_three, t) for t in (0.1, 0.2, 0.3)] == [2, 3, 5]
+    assert candidate_count(RouterConfig(block_size=1).layout(6), 0.9) == 4  # capped at the skippable blocks

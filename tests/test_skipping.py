@@ -279,6 +279,45 @@ def test_per_modality_calibration_skips_image_and_text_positions_at_the_same_rat
     assert abs(rates[False]["image"] - rates[False]["text"]) > 0.06, rates  # pooled: the modalities differ here
 
 
+@pytest.mark.parametrize("policy", ["recent_weight", "gate", "random"])
+def test_calibration_restricted_to_candidate_blocks_skips_only_those(policy):
+    # Per-token policies spread over every skippable block skip the costly ones as often as the cheap ones;
+    # restricted to candidates, the other blocks always run and their layers are not even patched.
+    from vlm_retrofit.skipping import POLICIES, SkipController, candidate_blocks, removal_impact
+
+    model, processor, adapter = _model("qwen2_vl", layers=8, skip_gate=True)  # blocks 1-6 skippable
+    generator = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for router in adapter.routers.values():
+            router.query.copy_(0.5 * torch.randn(router.query.shape, generator=generator))
+        for gate in adapter.gates.values():
+            gate.query.copy_(torch.randn(gate.query.shape, generator=generator))
+    batches = [tiny_inputs(processor, batch=2), tiny_inputs(processor, batch=2, with_image=False)]
+    impact = removal_impact(adapter, batches)
+    cheapest = sorted(impact, key=impact.__getitem__)[:3]
+    assert candidate_blocks(adapter, batches, 3) == tuple(sorted(cheapest))  # no order given: by removal impact
+    assert candidate_blocks(adapter, batches, 2, order=[6, 5, 4]) == (5, 6)
+    result = calibrate(adapter, batches, 0.2, policy, store=False, candidates=3, tolerance=0.03)
+    assert abs(result.achieved_saving - 0.2) <= 0.03, result.summary()
+    policy_object = POLICIES[policy](**result.settings)
+    assert policy_object.may_skip(adapter.layout) == tuple(sorted(cheapest))
+    controller = SkipController(adapter, policy_object)
+    assert controller.patched_blocks == tuple(sorted(cheapest))
+    with torch.no_grad(), controller as report:
+        for batch in batches:
+            model(**batch)
+    rates = report.skip_rates
+    assert all(rates[b] == 0 for b in range(8) if b not in cheapest), rates
+    assert all(rates[b] > 0 for b in cheapest), rates
+    # 3 of 8 single-layer blocks reach at most 3/8 of the executions; more is refused, as are unknown blocks.
+    with pytest.raises(ValueError, match=r"target_saving must be in \(0, 0.375\]"):
+        calibrate(adapter, batches, 0.4, policy, store=False, candidates=3)
+    with pytest.raises(ValueError, match="candidates"):
+        calibrate(adapter, batches, 0.2, policy, store=False, candidates=[0, 3])
+    with pytest.raises(ValueError, match="candidates must be a count"):
+        calibrate(adapter, batches, 0.2, policy, store=False, candidates=9)
+
+
 def test_calibration_refuses_unreachable_targets():
     model, processor, adapter = _model(layers=4)  # 2 of 4 layers skippable
     with pytest.raises(ValueError, match=r"target_saving must be in \(0, 0.500\]"):

@@ -40,6 +40,10 @@ def calibrate_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target-saving", type=float, nargs="+", default=[0.25],
                         help="fractions of decoder-layer executions to skip (one calibration each)")
     parser.add_argument("--policy", default="recent_weight", choices=sorted(POLICIES))
+    parser.add_argument("--candidates", type=int, default=None,
+                        help="per-token policies: skip only the N blocks cheapest to remove (the adapter's removal "
+                             "order, else single-block removal impact on the calibration batches); default: every "
+                             "skippable block, each skipped for the same share of tokens")
     parser.add_argument("--batches", type=int, default=4, help="calibration batches")
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=16, help="tokens generated to measure agreement")
@@ -67,7 +71,7 @@ def calibrate_main(argv: list[str] | None = None) -> int:
     prompts = [prompts_from_batch(batch, generation_pad_id(tokenizer)) for batch in batches]
     adapter = loaded.adapter
     for target in ns.target_saving:
-        result = calibrate(adapter, [model_inputs(b) for b in batches], target, ns.policy)
+        result = calibrate(adapter, [model_inputs(b) for b in batches], target, ns.policy, candidates=ns.candidates)
         metrics, report = compare_generation(loaded.model, adapter, prompts, ns.policy, result.settings, tokenizer,
                                              max_new_tokens=ns.max_new_tokens)
         adapter.calibration_metrics.setdefault(ns.policy, {})[f"{target:.4f}"] = {

@@ -65,6 +65,15 @@ def _lookup(values: float | dict[int, float] | None, block: int) -> float | None
     return values.get(block) if isinstance(values, dict) else values
 
 
+def _thresholded_blocks(layout: BlockLayout, *values: float | dict[int, float] | None) -> tuple[int, ...]:
+    """The skippable blocks a per-block threshold (or a scalar, which applies to all) can make skip: a calibration
+    restricted to candidate blocks sets thresholds for those only, and the runtime then patches only their layers."""
+    if any(v is not None and not isinstance(v, dict) for v in values):
+        return layout.skippable_blocks
+    named = set().union(*(v for v in values if isinstance(v, dict)))
+    return tuple(b for b in layout.skippable_blocks if b in named)
+
+
 def _skip_by_modality(score: Tensor, threshold: float | None, image_threshold: float | None, token_is_image: Tensor | None,
                       skips: Callable[[Tensor, float], Tensor]) -> Tensor:
     """`skips(score, threshold)` at text positions and `skips(score, image_threshold)` at visual placeholders (when
@@ -95,6 +104,9 @@ class RecentWeightPolicy(SkipPolicy):
                 _check_blocks("recent_weight thresholds", values, layout)
         if 0 in layout.skippable_blocks:
             raise ValueError("recent_weight cannot decide block 0: its router has a single source. Mark block 0 never-skip")
+
+    def may_skip(self, layout: BlockLayout) -> tuple[int, ...]:
+        return _thresholded_blocks(layout, self.thresholds, self.image_thresholds)
 
     def skip_mask(self, block: int, state: Any, adapter: Any) -> Tensor | None:
         threshold = _lookup(self.thresholds, block)
@@ -128,6 +140,9 @@ class GatePolicy(SkipPolicy):
         for values in (self.threshold, self.image_threshold):
             if isinstance(values, dict):
                 _check_blocks("gate thresholds", values, layout)
+
+    def may_skip(self, layout: BlockLayout) -> tuple[int, ...]:
+        return _thresholded_blocks(layout, self.threshold, self.image_threshold)
 
     def skip_mask(self, block: int, state: Any, adapter: Any) -> Tensor | None:
         threshold = _lookup(self.threshold, block)
@@ -167,7 +182,8 @@ class StaticPolicy(SkipPolicy):
 
 
 class RandomPolicy(SkipPolicy):
-    """Skip each (token, block) with probability `rate`, by a hash of the token's decoder input.
+    """Skip each (token, block) with probability `rate`, by a hash of the token's decoder input; only `blocks`
+    (default: every skippable block) are ever skipped.
 
     A hash rather than an RNG stream: the same token gets the same decision with and without a KV cache
     and across runs, so random baselines are reproducible and comparable.
@@ -175,11 +191,21 @@ class RandomPolicy(SkipPolicy):
 
     name = "random"
 
-    def __init__(self, rate: float, seed: int = 0) -> None:
+    def __init__(self, rate: float, seed: int = 0, blocks: list[int] | None = None) -> None:
         if not 0.0 <= rate <= 1.0:
             raise ValueError(f"random skip rate must be in [0, 1], got {rate}")
         self.rate, self.seed = float(rate), int(seed)
+        self.blocks = None if blocks is None else sorted({int(b) for b in blocks})
         self._direction: Tensor | None = None
+
+    def validate(self, layout: BlockLayout, adapter: Any) -> None:
+        if self.blocks is not None:
+            _check_blocks("random blocks", self.blocks, layout)
+
+    def may_skip(self, layout: BlockLayout) -> tuple[int, ...]:
+        if self.blocks is None:
+            return layout.skippable_blocks
+        return tuple(b for b in layout.skippable_blocks if b in self.blocks)
 
     def skip_mask(self, block: int, state: Any, adapter: Any) -> Tensor | None:
         token = state.stack.key(0)  # RMS-normalised decoder input: identical for the same token in any pass
