@@ -225,6 +225,46 @@ def test_impact_order_is_found_trained_saved_and_restored(tmp_path):
     assert resumed.adapter.removal_order == order
 
 
+def test_per_token_skipping_trained_on_candidate_blocks_only_is_saved_resumed_and_calibrated_on_them(tmp_path):
+    module = RetrofitModule(backbone="tiny:llama", backbone_kwargs=LAYERS, router={"skip_gate": True},
+                            skip_candidates=2, max_drop_rate=0.5, drop_warmup_steps=0, compute_target=0.8)
+    batch = _batches(1)[0]
+    out = module.compute_loss(batch, drop_rate=0.5, seed=0)
+    impact = removal_impact(module.adapter, [module.model_inputs(batch)[0]])
+    cheapest = sorted(sorted(impact, key=impact.__getitem__)[:2])
+    assert module.adapter.skip_candidates == cheapest  # the count resolved on the first batch
+    # Only the candidates are sampled: every other block runs for every token.
+    assert set(out.realised_keep) == set(cheapest)
+    assert all(keep < 1 for keep in out.realised_keep.values())
+    sim = module.simulation(0.5, seed=1)
+    with torch.no_grad(), sim:
+        module.model(**module.model_inputs(batch)[0])
+    assert set(sim.realised_keep) == set(cheapest)
+    with pytest.raises(ValueError, match="candidate_blocks"):
+        from vlm_retrofit.skipping import SkipSimulation
+        SkipSimulation(module.adapter, candidate_blocks=[0])
+
+    module.save_adapter(tmp_path / "adapter")
+    fresh = RetrofitModule(backbone="tiny:llama", backbone_kwargs=LAYERS)
+    fresh.adapter.detach()
+    loaded = RouterAdapter.from_pretrained(fresh.model, tmp_path / "adapter")
+    assert loaded.skip_candidates == cheapest
+    settings = calibrate(loaded, [module.model_inputs(batch)[0]], 0.2, "gate", store=False).settings
+    assert set(settings["threshold"]) == set(cheapest)  # calibrated on the blocks it was trained on
+
+    checkpoint = {"state_dict": module.trainable_state_dict(), "vlm_retrofit": module.checkpoint_metadata()}
+    resumed = RetrofitModule(backbone="tiny:llama", backbone_kwargs=LAYERS, router={"skip_gate": True},
+                             skip_candidates=3)
+    resumed.on_load_checkpoint(checkpoint)
+    assert resumed.adapter.skip_candidates == cheapest  # a resumed run samples the blocks it started with
+    listed = RetrofitModule(backbone="tiny:llama", backbone_kwargs=LAYERS, skip_candidates=[4, 2])
+    assert listed.adapter.skip_candidates == [2, 4]
+    with pytest.raises(ValueError, match="candidates"):
+        RetrofitModule(backbone="tiny:llama", backbone_kwargs=LAYERS, skip_candidates=[0])
+    with pytest.raises(ValueError, match="skip_candidates"):
+        RetrofitModule(backbone="tiny:llama", backbone_kwargs=LAYERS, skip_candidates=0)
+
+
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "up_proj"]}
 
 

@@ -93,6 +93,9 @@ class RouterAdapter(nn.Module):
         self.removal_order: list[int] | None = None
         """Skippable blocks in the order a removal schedule was trained on (cheapest first); static
         calibration removes a prefix of it. None = untrained for removal (Block Influence decides)."""
+        self.skip_candidates: list[int] | None = None
+        """The only blocks per-token skipping was trained on (`RetrofitModule(skip_candidates=...)`); calibration of a
+        per-token policy restricts itself to them by default. None = every skippable block."""
         self.base_model: dict[str, Any] = {"name": getattr(unwrap_model(model), "name_or_path", None) or None}
         """How to load the base again: keyword arguments of `vlm_retrofit.backbones.loading.load_backbone`."""
 
@@ -278,6 +281,7 @@ class RouterAdapter(nn.Module):
             "calibration": self.calibration,
             "calibration_metrics": self.calibration_metrics,
             "removal_order": self.removal_order,
+            "skip_candidates": self.skip_candidates,
             "base_model": self.base_model,
         }
 
@@ -311,6 +315,7 @@ class RouterAdapter(nn.Module):
         adapter.calibration = saved.get("calibration", {})
         adapter.calibration_metrics = saved.get("calibration_metrics", {})
         adapter.removal_order = saved.get("removal_order")
+        adapter.skip_candidates = saved.get("skip_candidates")
         adapter.base_model = saved.get("base_model") or adapter.base_model
         return _finish_attach(model, adapter, freeze_base)
 

@@ -243,7 +243,8 @@ def calibrate(adapter: RouterAdapter, batches: Iterable[Mapping[str, Any]], targ
 
     `candidates` (per-token policies): the blocks they may skip. None = every skippable block, each skipped for
     the same share of tokens; a count m = the m cheapest blocks by `order` (default: the adapter's
-    `removal_order`, else single-block `removal_impact` on `batches`); or a list of blocks. Small models are
+    `removal_order`, else single-block `removal_impact` on `batches`); or a list of blocks. None takes the
+    adapter's `skip_candidates` when its training was restricted to them. Small models are
     dense: on SmolLM2-135M random per-token skipping of 20 % of layer executions spread over all skippable layers
     raised perplexity x36, spread over the 9 cheapest x1.9.
     With `store`, the result is kept in `adapter.calibration` (saved with the adapter) and
@@ -256,6 +257,8 @@ def calibrate(adapter: RouterAdapter, batches: Iterable[Mapping[str, Any]], targ
     if not batches:
         raise ValueError("calibration needs at least one batch")
     pool = layout.skippable_blocks
+    if candidates is None and policy != "static":
+        candidates = adapter.skip_candidates  # the blocks its per-token skipping was trained on, if restricted
     if candidates is not None:
         if policy == "static":
             raise ValueError("candidates restrict per-token policies; a static removal takes a prefix of `order`")

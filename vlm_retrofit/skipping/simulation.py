@@ -24,13 +24,16 @@ class SkipSimulation(SkipController):
     `counted_positions` (bool [B, T], e.g. the real text positions) are the tokens whose compute the expected and
     realised keep rates average over; default every position. Counted over padding and image placeholders too,
     a compute target is met most cheaply by skipping those, which saves a decode nothing.
+    `candidate_blocks`: the only blocks sampled per token (the others run for every token, as they will under a
+    policy calibrated with the same `candidates`); default every skippable block.
     """
 
     mode = "blend"
 
     def __init__(self, adapter: RouterAdapter, drop_rate: float = 0.0, *, use_gates: bool = True,
                  budget: int | float | None = None, generator: torch.Generator | None = None,
-                 removed_blocks: Iterable[int] = (), counted_positions: Tensor | None = None) -> None:
+                 removed_blocks: Iterable[int] = (), counted_positions: Tensor | None = None,
+                 candidate_blocks: Iterable[int] | None = None) -> None:
         super().__init__(adapter, policy=None, budget=budget)
         # Nothing counted (e.g. a batch of padding only) counts every position.
         self.counted_positions = (counted_positions if counted_positions is not None and bool(counted_positions.any())
@@ -38,6 +41,10 @@ class SkipSimulation(SkipController):
         self.removed_blocks = frozenset(int(b) for b in removed_blocks)
         if not self.removed_blocks <= self.skippable:
             raise ValueError(f"removed_blocks {sorted(self.removed_blocks - self.skippable)} are not skippable; "
+                             f"skippable blocks are {sorted(self.skippable)}")
+        self.candidate_blocks = None if candidate_blocks is None else frozenset(int(b) for b in candidate_blocks)
+        if self.candidate_blocks is not None and not self.candidate_blocks <= self.skippable:
+            raise ValueError(f"candidate_blocks {sorted(self.candidate_blocks - self.skippable)} are not skippable; "
                              f"skippable blocks are {sorted(self.skippable)}")
         if not 0.0 <= drop_rate < 1.0:
             raise ValueError(f"drop_rate must be in [0, 1), got {drop_rate}")
@@ -59,7 +66,8 @@ class SkipSimulation(SkipController):
         return torch.rand(like.shape, generator=self.generator).to(like.device)
 
     def decide(self, block: int, state: Any) -> None:
-        if block not in self.skippable:
+        sampled = self.candidate_blocks is None or block in self.candidate_blocks or block in self.removed_blocks
+        if block not in self.skippable or not sampled:
             self._skip[block] = None
             return
         routed = state.routed_input

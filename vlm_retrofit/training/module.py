@@ -92,6 +92,7 @@ class RetrofitModule(pl.LightningModule):
         drop_warmup_steps: int = 20,
         use_gates: bool = True,
         skip_budget: float | None = None,
+        skip_candidates: int | list[int] | None = None,
         removal_order: list[int] | Literal["impact", "joint", "span"] | None = None,
         max_removed_blocks: int = 0,
         min_removed_blocks: int = 0,
@@ -160,6 +161,11 @@ class RetrofitModule(pl.LightningModule):
                 `skip_gate: true`.
             skip_budget: per-token cap on skipped blocks in simulation (an int count or a fraction of the
                 skippable blocks); null = no cap.
+            skip_candidates: the only blocks simulated per-token skipping (drop rate, gates) samples: a count = the
+                first blocks of `removal_order` when there is one, else the cheapest by single-block removal
+                impact on the first training batch; or a list of blocks; null = every skippable block.
+                Saved with the adapter, and `calibrate` restricts per-token policies to them by default: spread
+                over every layer, per-token skipping also hits layers whose removal alone is catastrophic.
             removal_order: skippable blocks in the order a static policy will remove them (cheapest first), for
                 the removal schedule; `impact` ranks them by single-block removal KL on the first training
                 batch; `joint` takes the first `max_removed_blocks` by greedy joint removal on that batch (each
@@ -243,6 +249,8 @@ class RetrofitModule(pl.LightningModule):
                              f"{max_removed_blocks})")
         if replace_removed and replacement_batches < 1:
             raise ValueError(f"replacement_batches must be >= 1, got {replacement_batches}")
+        if isinstance(skip_candidates, bool) or (isinstance(skip_candidates, int) and skip_candidates < 1):
+            raise ValueError(f"skip_candidates must be a count >= 1 or a list of blocks, got {skip_candidates!r}")
         if max_nonfinite_steps < 1:
             raise ValueError(f"max_nonfinite_steps must be >= 1, got {max_nonfinite_steps}")
         self.save_hyperparameters(ignore=["router"])
@@ -271,6 +279,8 @@ class RetrofitModule(pl.LightningModule):
                                    "trust_remote_code": trust_remote_code}
         if removal_order is not None and not isinstance(removal_order, str):
             self._set_removal_order(list(removal_order))
+        if skip_candidates is not None and not isinstance(skip_candidates, int):
+            self._set_skip_candidates(skip_candidates)  # a list is checked now, before any work
         self.strict_loading = False  # checkpoints hold trainable state only; on_load_checkpoint checks it all
         self.nonfinite_steps = 0
         self.nonfinite_streak = 0
@@ -406,6 +416,22 @@ class RetrofitModule(pl.LightningModule):
         log.info("removal order (%s; single-block impact, KL per token): %s", mode,
                  ", ".join(f"{b}:{impact[b]:.3g}" for b in order))
 
+    def _set_skip_candidates(self, candidates: int | list[int], batches: list[dict[str, Any]] | None = None) -> None:
+        from ..skipping import candidate_blocks
+
+        self.adapter.skip_candidates = list(candidate_blocks(self.adapter, batches or [], candidates,
+                                                             self.adapter.removal_order))
+
+    def _ensure_skip_candidates(self, batch: Mapping[str, Any]) -> None:
+        """`skip_candidates: <count>`: the cheapest blocks by removal impact on the first batch seen (rank 0's)."""
+        count = self.hparams.skip_candidates
+        if self.adapter.skip_candidates is not None or not isinstance(count, int):
+            return
+        self._set_skip_candidates(count, [self.model_inputs(batch)[0]])
+        if self._trainer is not None:  # every rank samples the same blocks
+            self.adapter.skip_candidates = self.trainer.strategy.broadcast(self.adapter.skip_candidates, src=0)
+        log.info("per-token skipping trained on blocks %s", self.adapter.skip_candidates)
+
     def removed_blocks(self, seed: int, *, largest: bool = False) -> list[int]:
         """Blocks every token skips in one student forward under the removal schedule ([] when it is off)."""
         k_max, order = int(self.hparams.max_removed_blocks), self.adapter.removal_order
@@ -432,7 +458,8 @@ class RetrofitModule(pl.LightningModule):
             return None
         generator = torch.Generator().manual_seed(seed)  # CPU: the same masks on any device
         return SkipSimulation(self.adapter, drop_rate=drop_rate, use_gates=gates, budget=self.hparams.skip_budget,
-                              generator=generator, removed_blocks=removed or (), counted_positions=counted_positions)
+                              generator=generator, removed_blocks=removed or (), counted_positions=counted_positions,
+                              candidate_blocks=self.adapter.skip_candidates)
 
     def _forward(self, inputs: dict[str, Any], keep: Tensor | None):
         if keep is not None:
@@ -457,6 +484,7 @@ class RetrofitModule(pl.LightningModule):
         """Teacher and student forwards on `batch`; the student under simulated skipping at `drop_rate` (and
         the removal schedule's blocks: a random prefix, or with `largest_removal` the longest)."""
         self._ensure_removal_order(batch)
+        self._ensure_skip_candidates(batch)
         inputs, mask = self.model_inputs(batch)
         positions = mask  # over the whole sequence, for the hidden states
         keep = None
@@ -626,6 +654,8 @@ class RetrofitModule(pl.LightningModule):
         meta = check_checkpoint(self, checkpoint)  # refuses a mismatched checkpoint before anything is loaded
         if meta.get("removal_order") is not None:
             self._set_removal_order(meta["removal_order"])  # a resumed run keeps the schedule it started with
+        if meta.get("skip_candidates") is not None:
+            self.adapter.skip_candidates = list(meta["skip_candidates"])  # and the blocks it samples
         if meta.get("replacements") is not None:
             self.replacements = {int(k): v for k, v in meta["replacements"].items()}
         self.nonfinite_steps = int(meta.get("nonfinite_steps", 0))
