@@ -371,13 +371,17 @@ def calibrated_per_workload(adapter, data: EvalSet, target: float, policy: str, 
 def cheapest_blocks(adapter, data: EvalSet, removal_order: list[int]) -> list[int]:
     """Skippable blocks of `adapter`, cheapest to remove first: `removal_order` (single layers ranked by removal
     impact in the base model on the pooled calibration batches) where its blocks are single layers, else ranked
-    by removal impact through the adapter's own routers on the same batches."""
+    by removal impact through the adapter's own routers on the same batches; the blocks its per-token skipping
+    was trained on (`skip_candidates`) go first."""
     from vlm_retrofit.skipping import removal_impact
 
     if adapter.config.block_size == 1:
-        return [b for b in removal_order if b in adapter.layout.skippable_blocks]
-    impact = removal_impact(adapter, data.calibration)
-    return sorted(impact, key=impact.__getitem__)
+        ranked = [b for b in removal_order if b in adapter.layout.skippable_blocks]
+    else:
+        impact = removal_impact(adapter, data.calibration)
+        ranked = sorted(impact, key=impact.__getitem__)
+    trained = adapter.skip_candidates or []  # gates trained on a few blocks only: those come first
+    return [b for b in ranked if b in trained] + [b for b in ranked if b not in trained]
 
 
 def measure_pruned(bench: Bench, name: str, order: list[int], layout, spec, router_config, targets: list[float],

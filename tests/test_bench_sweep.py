@@ -377,3 +377,13 @@ def test_per_token_candidates_are_half_again_the_blocks_a_static_removal_takes()
     assert [candidate_count(per_layer, t) for t in (0.1, 0.2, 0.3)] == [5, 9, 14]
     assert [candidate_count(per_three, t) for t in (0.1, 0.2, 0.3)] == [2, 3, 5]
     assert candidate_count(RouterConfig(block_size=1).layout(6), 0.9) == 4  # capped at the skippable blocks
+
+
+def test_blocks_a_policy_was_trained_to_skip_come_first_among_its_candidates():
+    from bench.sweep import cheapest_blocks
+
+    model, _ = tiny_vlm("llama", num_hidden_layers=6)
+    adapter = attach_routers(model, RouterConfig(block_size=1))
+    assert cheapest_blocks(adapter, None, [1, 2, 3, 4]) == [1, 2, 3, 4]
+    adapter.skip_candidates = [4, 2]
+    assert cheapest_blocks(adapter, None, [1, 2, 3, 4]) == [2, 4, 1, 3]
