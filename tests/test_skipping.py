@@ -214,8 +214,8 @@ def test_simulated_compute_counts_only_the_given_positions():
     assert SkipSimulation(adapter, counted_positions=torch.zeros_like(counted)).counted_positions is None
 
 
-@pytest.mark.parametrize("policy", ["recent_weight", "gate", "static", "random"])
-def test_calibration_reaches_its_target_on_the_calibration_data(policy, tmp_path):
+def _routed_with_gates():
+    """8 layers (blocks 1-6 skippable) with random router queries and gates, and an image and a text-only batch."""
     model, processor, adapter = _model("qwen2_vl", layers=8, skip_gate=True)
     generator = torch.Generator().manual_seed(2)
     with torch.no_grad():
@@ -223,7 +223,12 @@ def test_calibration_reaches_its_target_on_the_calibration_data(policy, tmp_path
             router.query.copy_(0.5 * torch.randn(router.query.shape, generator=generator))
         for gate in adapter.gates.values():
             gate.query.copy_(torch.randn(gate.query.shape, generator=generator))
-    batches = [tiny_inputs(processor, batch=2), tiny_inputs(processor, batch=2, with_image=False)]
+    return model, processor, adapter, [tiny_inputs(processor, batch=2), tiny_inputs(processor, batch=2, with_image=False)]
+
+
+@pytest.mark.parametrize("policy", ["recent_weight", "gate", "static", "random"])
+def test_calibration_reaches_its_target_on_the_calibration_data(policy, tmp_path):
+    model, processor, adapter, batches = _routed_with_gates()
     result = calibrate(adapter, batches, target_saving=0.25, policy=policy)
     # Static removal moves in whole blocks (1 of 8 layers); the others are tuned to within the tolerance.
     tolerance = 0.125 if policy == "static" else 0.03
@@ -285,14 +290,7 @@ def test_calibration_restricted_to_candidate_blocks_skips_only_those(policy):
     # restricted to candidates, the other blocks always run and their layers are not even patched.
     from vlm_retrofit.skipping import POLICIES, SkipController, candidate_blocks, removal_impact
 
-    model, processor, adapter = _model("qwen2_vl", layers=8, skip_gate=True)  # blocks 1-6 skippable
-    generator = torch.Generator().manual_seed(2)
-    with torch.no_grad():
-        for router in adapter.routers.values():
-            router.query.copy_(0.5 * torch.randn(router.query.shape, generator=generator))
-        for gate in adapter.gates.values():
-            gate.query.copy_(torch.randn(gate.query.shape, generator=generator))
-    batches = [tiny_inputs(processor, batch=2), tiny_inputs(processor, batch=2, with_image=False)]
+    model, processor, adapter, batches = _routed_with_gates()
     impact = removal_impact(adapter, batches)
     cheapest = sorted(impact, key=impact.__getitem__)[:3]
     assert candidate_blocks(adapter, batches, 3) == tuple(sorted(cheapest))  # no order given: by removal impact
