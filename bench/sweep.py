@@ -33,6 +33,13 @@ def candidate_count(layout, target: float) -> int:
     return min(len(layout.skippable_blocks), math.ceil(CANDIDATE_FACTOR * static - 1e-9))
 
 
+def candidates_at(adapter, order: list[int], target: float) -> list[int]:
+    """The blocks a per-token policy of `adapter` may skip at `target`: the first `candidate_count` of `order`."""
+    from vlm_retrofit.skipping import candidate_blocks
+
+    return list(candidate_blocks(adapter, [], candidate_count(adapter.layout, target), order=order))
+
+
 # What the cached removal searches scored (vlm_retrofit.skipping.calibrate.scored_positions); earlier caches
 # scored image positions too and are searched again.
 SCORED_ON = "real text positions"
@@ -320,7 +327,7 @@ def sweep(bench: Bench, targets: list[float], variants: list, speed_target: floa
         log(f"ours-{variant.name} routers only: {records[-1]}")
         ranked = cheapest_blocks(adapter, data, removal_order) if variant.policy != "static" else []
         for target in targets:
-            candidates = sorted(ranked[:candidate_count(adapter.layout, target)]) if ranked else None
+            candidates = candidates_at(adapter, ranked, target) if ranked else None
             settings = calibrated_per_workload(adapter, data, target, variant.policy, bench.tolerance,
                                                candidates=candidates)
             methods, replaced = {}, False
@@ -508,7 +515,7 @@ def measure_baselines(bench: Bench, targets: list[float], speed_target: float, r
         point("random", target, "random", lambda t=target: calibrate(
             identity, data.calibration, t, "random", store=False, tolerance=bench.tolerance).settings)
         # Random skipping over the blocks our per-token policies may skip: what their learned signal must beat.
-        cheap = sorted(removal_order[:candidate_count(layout, target)])
+        cheap = candidates_at(identity, removal_order, target)
         point("random-cheapest", target, "random", lambda t=target, c=cheap: calibrate(
             identity, data.calibration, t, "random", store=False, tolerance=bench.tolerance, candidates=c).settings,
             fixed={"blocks": cheap})
@@ -527,7 +534,7 @@ def measure_baselines(bench: Bench, targets: list[float], speed_target: float, r
     # The update oracle over every skippable layer, and over the layers our per-token policies may skip.
     for name, cheapest in (("oracle-update (runs every layer)", False), ("oracle-update-cheapest (runs every layer)", True)):
         for target in targets:
-            layers = sorted(removal_order[:candidate_count(layout, target)]) if cheapest else skippable_layers
+            layers = candidates_at(identity, removal_order, target) if cheapest else skippable_layers
             extra = {"candidate_blocks": layers} if cheapest else {}
             before = earlier.get((name, target))
             if before is not None and all(before.get(k) == v for k, v in extra.items()):

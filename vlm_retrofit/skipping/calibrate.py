@@ -12,7 +12,7 @@ from torch import Tensor
 from ..backbones.registry import unwrap_model
 from ..batch import model_inputs
 from ..routing.adapter import RouterAdapter
-from .policies import POLICIES, SkipPolicy, StaticPolicy, recent_source_weight
+from .policies import POLICIES, SkipPolicy, StaticPolicy, check_skippable_blocks, recent_source_weight
 from .runtime import SkipController
 
 
@@ -321,10 +321,9 @@ def candidate_blocks(adapter: RouterAdapter, batches: list[dict[str, Any]], cand
         chosen = ranked[:count]
     else:
         chosen = [int(b) for b in candidates]
-        bad = sorted(b for b in chosen if b not in layout.skippable_blocks)
-        if bad or not chosen:
-            raise ValueError(f"candidates {chosen} must be skippable blocks {list(layout.skippable_blocks)} "
-                             f"(never-skip: {list(layout.never_skip_blocks)})")
+        if not chosen:
+            raise ValueError("candidates is an empty list: name at least one skippable block, or give a count")
+        check_skippable_blocks("candidates", chosen, layout)
     return tuple(sorted(set(chosen)))
 
 

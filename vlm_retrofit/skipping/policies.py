@@ -34,7 +34,7 @@ class SkipPolicy:
         return frozenset()
 
 
-def _check_blocks(what: str, blocks, layout: BlockLayout) -> None:
+def check_skippable_blocks(what: str, blocks, layout: BlockLayout) -> None:
     bad = sorted(b for b in blocks if b not in layout.skippable_blocks)
     if bad:
         raise ValueError(
@@ -101,7 +101,7 @@ class RecentWeightPolicy(SkipPolicy):
     def validate(self, layout: BlockLayout, adapter: Any) -> None:
         for values in (self.thresholds, self.image_thresholds):
             if isinstance(values, dict):
-                _check_blocks("recent_weight thresholds", values, layout)
+                check_skippable_blocks("recent_weight thresholds", values, layout)
         if 0 in layout.skippable_blocks:
             raise ValueError("recent_weight cannot decide block 0: its router has a single source. Mark block 0 never-skip")
 
@@ -139,7 +139,7 @@ class GatePolicy(SkipPolicy):
                              "use recent_weight, static or random instead")
         for values in (self.threshold, self.image_threshold):
             if isinstance(values, dict):
-                _check_blocks("gate thresholds", values, layout)
+                check_skippable_blocks("gate thresholds", values, layout)
 
     def may_skip(self, layout: BlockLayout) -> tuple[int, ...]:
         return _thresholded_blocks(layout, self.threshold, self.image_threshold)
@@ -167,7 +167,7 @@ class StaticPolicy(SkipPolicy):
         self.blocks = frozenset(int(b) for b in blocks)
 
     def validate(self, layout: BlockLayout, adapter: Any) -> None:
-        _check_blocks("static blocks", self.blocks, layout)
+        check_skippable_blocks("static blocks", self.blocks, layout)
 
     def may_skip(self, layout: BlockLayout) -> tuple[int, ...]:
         return tuple(b for b in layout.skippable_blocks if b in self.blocks)
@@ -200,7 +200,7 @@ class RandomPolicy(SkipPolicy):
 
     def validate(self, layout: BlockLayout, adapter: Any) -> None:
         if self.blocks is not None:
-            _check_blocks("random blocks", self.blocks, layout)
+            check_skippable_blocks("random blocks", self.blocks, layout)
 
     def may_skip(self, layout: BlockLayout) -> tuple[int, ...]:
         if self.blocks is None:
