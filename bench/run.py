@@ -256,7 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__)
     parser.add_argument("--variants", nargs="+",
                         default=["routed_static", "routed_static_lora_mlp_joint", "lora_mlp_joint_plain", "lora_mlp_span",
-                                 "gate", "gate_b3", "recent_weight"],
+                                 "gate", "gate_b3", "gate_b3_candidates", "recent_weight"],
                         choices=sorted(VARIANTS))
     parser.add_argument("--train-minutes", type=float, default=20.0, help="distillation budget per variant (wall clock)")
     parser.add_argument("--train-steps", type=int, default=None,

@@ -120,12 +120,13 @@ def test_calibrate_merge_generate_commands(trained, tmp_path, capsys):
 
     _, adapter_dir = trained
     assert main(["calibrate", "--model", str(adapter_dir), "--target-saving", "0.2", "--batches", "2",
-                 "--candidates", "1", "--output", str(tmp_path / "calibrated")]) == 0
+                 "--candidates", "1", "--no-skip-image-positions", "--output", str(tmp_path / "calibrated")]) == 0
     assert "reached" in capsys.readouterr().out
     saved = json.loads((tmp_path / "calibrated" / "adapter_config.json").read_text())
     assert "0.2000" in saved["calibration"]["recent_weight"]
     # Restricted to the block cheapest to remove: a threshold for it only, the other blocks always run.
     assert len(saved["calibration"]["recent_weight"]["0.2000"]["thresholds"]) == 1
+    assert saved["calibration"]["recent_weight"]["0.2000"]["skip_image_positions"] is False  # image positions run
     assert "token_match" in saved["calibration_metrics"]["recent_weight"]["0.2000"]
     assert main(["merge", "--ckpt", str(tmp_path / "calibrated"), "--output", str(tmp_path / "release")]) == 0
     assert "recent_weight | 0.20" in (tmp_path / "release" / "README.md").read_text()

@@ -223,6 +223,11 @@ def test_impact_order_is_found_trained_saved_and_restored(tmp_path):
                              max_removed_blocks=2)
     resumed.on_load_checkpoint(checkpoint)
     assert resumed.adapter.removal_order == order
+    # So does a checkpoint loaded for calibrate / merge (no Lightning): static calibration and pruning take its prefix.
+    from vlm_retrofit.release import load_checkpoint
+
+    torch.save({**checkpoint, "hyper_parameters": dict(module.hparams)}, tmp_path / "model.ckpt")
+    assert load_checkpoint(tmp_path / "model.ckpt").adapter.removal_order == order
 
 
 def test_per_token_skipping_trained_on_candidate_blocks_only_is_saved_resumed_and_calibrated_on_them(tmp_path):
@@ -253,10 +258,24 @@ def test_per_token_skipping_trained_on_candidate_blocks_only_is_saved_resumed_an
     assert set(settings["threshold"]) == set(cheapest)  # calibrated on the blocks it was trained on
 
     checkpoint = {"state_dict": module.trainable_state_dict(), "vlm_retrofit": module.checkpoint_metadata()}
+    # A checkpoint loaded for calibrate / merge (no Lightning) keeps them too.
+    from vlm_retrofit.release import load_checkpoint
+
+    torch.save({**checkpoint, "hyper_parameters": dict(module.hparams)}, tmp_path / "model.ckpt")
+    from_checkpoint = load_checkpoint(tmp_path / "model.ckpt").adapter
+    assert from_checkpoint.skip_candidates == cheapest and from_checkpoint.skip_image_positions
     resumed = RetrofitModule(backbone="tiny:llama", backbone_kwargs=LAYERS, router={"skip_gate": True},
                              skip_candidates=3)
     resumed.on_load_checkpoint(checkpoint)
     assert resumed.adapter.skip_candidates == cheapest  # a resumed run samples the blocks it started with
+    kept = RetrofitModule(backbone="tiny:llama", backbone_kwargs=LAYERS, skip_image_positions=False)
+    assert kept.simulation(0.5, seed=0).skip_image_positions is False  # image positions run in training
+    kept.save_adapter(tmp_path / "kept")
+    loaded.detach()
+    kept_loaded = RouterAdapter.from_pretrained(fresh.model, tmp_path / "kept")
+    assert loaded.skip_image_positions and not kept_loaded.skip_image_positions
+    settings = calibrate(kept_loaded, [module.model_inputs(batch)[0]], 0.2, "random", store=False).settings
+    assert settings["skip_image_positions"] is False  # and calibration keeps them by default
     listed = RetrofitModule(backbone="tiny:llama", backbone_kwargs=LAYERS, skip_candidates=[4, 2])
     assert listed.adapter.skip_candidates == [2, 4]
     with pytest.raises(ValueError, match="candidates"):

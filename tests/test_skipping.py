@@ -177,6 +177,27 @@ def test_simulation_is_the_inference_skip_function_and_trains_the_gates():
     assert all(0 <= keep <= 1 for keep in simulation.realised_keep.values())
 
 
+def test_simulation_can_keep_image_positions_running():
+    # As under a policy calibrated with skip_image_positions=False: image placeholders run every sampled block, and
+    # their gates learn nothing from a decision that is not theirs.
+    model, processor, adapter = _model("qwen2_vl", skip_gate=True)
+    inputs = tiny_inputs(processor)
+    image = torch.isin(inputs["input_ids"], torch.tensor(sorted(adapter.spec.image_token_ids(model.config))))
+    assert image.any() and (~image).any()
+    simulation = SkipSimulation(adapter, drop_rate=0.5, use_gates=True, skip_image_positions=False,
+                                generator=torch.Generator().manual_seed(0))
+    with simulation:
+        model(**inputs)
+        ran = {block: simulation.ran(block) for block in adapter.layout.skippable_blocks}
+    for block, mask in ran.items():
+        assert isinstance(mask, torch.Tensor) and mask[image].all() and not mask[~image].all(), block
+        gate = adapter.gates[str(block)].query
+        multiplier = simulation._multiplier[block]
+        image_grad, = torch.autograd.grad(multiplier[image].sum(), gate, retain_graph=True, allow_unused=True)
+        text_grad, = torch.autograd.grad(multiplier[~image].sum(), gate, retain_graph=True)
+        assert (image_grad is None or not image_grad.any()) and text_grad.abs().sum() > 0, block
+
+
 def test_simulated_compute_counts_only_the_given_positions():
     # Padding and image placeholders must not count towards the compute target: gates would meet it by
     # skipping them, and a decode runs neither.
@@ -258,7 +279,9 @@ def test_per_modality_calibration_skips_image_and_text_positions_at_the_same_rat
 
         def skip_mask(self, block, state, adapter):
             skip = super().skip_mask(block, state, adapter)
-            for name, where in (("image", state.token_is_image), ("text", ~state.token_is_image)):
+            image = state.token_is_image  # None in a batch without images
+            image = torch.zeros_like(skip) if image is None else image
+            for name, where in (("image", image), ("text", ~image)):
                 where = where & state.token_is_real
                 self.counts[name][0] += int(skip[where].sum())
                 self.counts[name][1] += int(where.sum())
@@ -314,6 +337,53 @@ def test_calibration_restricted_to_candidate_blocks_skips_only_those(policy):
         calibrate(adapter, batches, 0.2, policy, store=False, candidates=[0, 3])
     with pytest.raises(ValueError, match="candidates must be a count"):
         calibrate(adapter, batches, 0.2, policy, store=False, candidates=9)
+
+
+@pytest.mark.parametrize("policy", ["recent_weight", "gate", "random"])
+def test_calibration_can_keep_image_positions_from_skipping(policy):
+    # A batch-1 prefill saves nothing where some prompt token runs a block, so skipping image positions saves next
+    # to nothing while every caption token reads them: kept out, they run every block and the target counts text.
+    from vlm_retrofit.skipping import POLICIES
+
+    model, processor, adapter, batches = _routed_with_gates()
+    result = calibrate(adapter, batches, 0.25, policy, store=False, tolerance=0.03, skip_image_positions=False)
+    assert result.settings["skip_image_positions"] is False
+    assert not {"image_threshold", "image_thresholds"} & set(result.settings)
+    with torch.no_grad(), adapter.skipping(POLICIES[policy](**result.settings)) as report:
+        for batch in batches:
+            model(**batch)
+    assert report.skipped_text_layer_fraction == pytest.approx(result.achieved_saving, abs=1e-6)
+    assert abs(result.achieved_saving - 0.25) <= 0.03, result.summary()
+    image_decided = [t - text for t, text in zip(report.block_tokens, report.block_text_tokens)]
+    image_skipped = [s - text for s, text in zip(report.block_skipped_tokens, report.block_text_skipped_tokens)]
+    assert all(image_decided[b] > 0 for b in adapter.layout.skippable_blocks) and image_skipped == [0] * 8
+    assert report.skipped_layer_fraction < report.skipped_text_layer_fraction  # counted with image positions
+    with pytest.raises(ValueError, match="whole blocks"):
+        calibrate(adapter, batches, 0.25, "static", store=False, skip_image_positions=False)
+
+
+def test_skip_report_counts_text_positions_apart():
+    model, processor, adapter = _model("qwen2_vl", layers=6)
+    image_only = PatternPolicy(lambda block, state: state.token_is_image if block == 2 else None)
+    with torch.no_grad(), adapter.skipping(image_only) as report:
+        model(**tiny_inputs(processor, batch=2))
+    assert report.skip_rates[2] > 0 and report.skipped_layer_fraction > 0
+    assert report.skipped_text_layer_fraction == 0 and report.as_dict()["skipped_text_layer_fraction"] == 0
+    with torch.no_grad(), adapter.skipping(PatternPolicy(_skip_everything)) as text_report:
+        model(**tiny_inputs(processor, batch=2, with_image=False))
+    assert text_report.skipped_text_layer_fraction == text_report.skipped_layer_fraction > 0
+    merged = type(report).merged([report, text_report])
+    assert merged.block_text_tokens == [a + b for a, b in zip(report.block_text_tokens, text_report.block_text_tokens)]
+    assert merged.block_text_skipped_tokens == text_report.block_text_skipped_tokens
+
+
+def test_image_settings_contradicting_kept_image_positions_are_refused():
+    from vlm_retrofit.skipping.policies import GatePolicy, RecentWeightPolicy
+
+    with pytest.raises(ValueError, match="image_threshold are set while skip_image_positions=False"):
+        GatePolicy(0.5, image_threshold=0.4, skip_image_positions=False)
+    with pytest.raises(ValueError, match="image_thresholds are set"):
+        RecentWeightPolicy(0.5, image_thresholds={1: 0.4}, skip_image_positions=False)
 
 
 def test_calibration_refuses_unreachable_targets():

@@ -44,6 +44,10 @@ def calibrate_main(argv: list[str] | None = None) -> int:
                         help="per-token policies: skip only the N blocks cheapest to remove (the adapter's removal "
                              "order, else single-block removal impact on the calibration batches); default: every "
                              "skippable block, each skipped for the same share of tokens")
+    parser.add_argument("--skip-image-positions", action=argparse.BooleanOptionalAction, default=None,
+                        help="per-token policies: whether visual-placeholder positions may skip blocks; with "
+                             "--no-skip-image-positions they run every block and the target counts text positions "
+                             "only (what decoding skips); default: as the adapter was trained")
     parser.add_argument("--batches", type=int, default=4, help="calibration batches")
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=16, help="tokens generated to measure agreement")
@@ -71,7 +75,8 @@ def calibrate_main(argv: list[str] | None = None) -> int:
     prompts = [prompts_from_batch(batch, generation_pad_id(tokenizer)) for batch in batches]
     adapter = loaded.adapter
     for target in ns.target_saving:
-        result = calibrate(adapter, [model_inputs(b) for b in batches], target, ns.policy, candidates=ns.candidates)
+        result = calibrate(adapter, [model_inputs(b) for b in batches], target, ns.policy, candidates=ns.candidates,
+                           skip_image_positions=ns.skip_image_positions)
         metrics, report = compare_generation(loaded.model, adapter, prompts, ns.policy, result.settings, tokenizer,
                                              max_new_tokens=ns.max_new_tokens)
         adapter.calibration_metrics.setdefault(ns.policy, {})[f"{target:.4f}"] = {

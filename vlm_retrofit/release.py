@@ -96,6 +96,11 @@ def load_checkpoint(path: str | os.PathLike, base: str | None = None) -> Loaded:
         if result.unexpected_keys:
             raise AdapterMismatchError(f"{path}: LoRA tensors {result.unexpected_keys[:5]} do not fit the model")
     adapter.base_model = base_model
+    # What training recorded for skipping: the removal order static calibration and pruning take a prefix of,
+    # and the per-token setting calibration defaults to.
+    adapter.removal_order = meta.get("removal_order")
+    adapter.skip_candidates = meta.get("skip_candidates")
+    adapter.skip_image_positions = bool(meta.get("skip_image_positions", True))
     replacement = None
     if meta.get("replacements") is not None:
         replacement = ({int(k): v for k, v in meta["replacements"].items()}, list(meta["replacement_layers"]))

@@ -96,6 +96,9 @@ class RouterAdapter(nn.Module):
         self.skip_candidates: list[int] | None = None
         """The only blocks per-token skipping was trained on (`RetrofitModule(skip_candidates=...)`); calibration of a
         per-token policy restricts itself to them by default. None = every skippable block."""
+        self.skip_image_positions = True
+        """False when per-token skipping was trained with visual placeholders running every block
+        (`RetrofitModule(skip_image_positions=False)`); calibration of a per-token policy then keeps them too."""
         self.base_model: dict[str, Any] = {"name": getattr(unwrap_model(model), "name_or_path", None) or None}
         """How to load the base again: keyword arguments of `vlm_retrofit.backbones.loading.load_backbone`."""
 
@@ -282,6 +285,7 @@ class RouterAdapter(nn.Module):
             "calibration_metrics": self.calibration_metrics,
             "removal_order": self.removal_order,
             "skip_candidates": self.skip_candidates,
+            "skip_image_positions": self.skip_image_positions,
             "base_model": self.base_model,
         }
 
@@ -316,6 +320,7 @@ class RouterAdapter(nn.Module):
         adapter.calibration_metrics = saved.get("calibration_metrics", {})
         adapter.removal_order = saved.get("removal_order")
         adapter.skip_candidates = saved.get("skip_candidates")
+        adapter.skip_image_positions = bool(saved.get("skip_image_positions", True))
         adapter.base_model = saved.get("base_model") or adapter.base_model
         return _finish_attach(model, adapter, freeze_base)
 

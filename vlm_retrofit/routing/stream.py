@@ -209,7 +209,8 @@ class StreamState:
     routed_input: Tensor | None = None
     alphas: dict[str, Tensor] = field(default_factory=dict)
     token_is_image: Tensor | None = None
-    """Bool [B, T] of visual-placeholder positions, when a skip context knows the input ids."""
+    """Bool [B, T] of visual-placeholder positions, when a skip context knows the input ids and the forward holds
+    some (None in decode steps and text-only batches: per-modality rules then cost no work per block)."""
     token_is_real: Tensor | None = None
     """Bool [B, T]: False at padding positions, when a skip context knows the attention mask."""
     context_length: int = 0

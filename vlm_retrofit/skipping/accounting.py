@@ -86,6 +86,9 @@ class SkipReport:
     decode: PhaseCount = field(default_factory=PhaseCount)
     block_tokens: list[int] = field(default_factory=list)
     block_skipped_tokens: list[int] = field(default_factory=list)
+    block_text_tokens: list[int] = field(default_factory=list)
+    """Real text tokens (no padding, no visual placeholders) decided per block: what a decode step holds."""
+    block_text_skipped_tokens: list[int] = field(default_factory=list)
     layer_calls: dict[str, int] = field(default_factory=lambda: {"full": 0, "mixed": 0, "kv_only": 0, "skipped": 0})
     """Calls of the layers the policy may skip, by what they ran (a static policy's other layers are not
     patched and not counted here; their FLOPs are in the phase counts all the same)."""
@@ -96,14 +99,21 @@ class SkipReport:
         self.block_layers = self.block_layers or [1] * self.num_blocks
         self.block_tokens = self.block_tokens or [0] * self.num_blocks
         self.block_skipped_tokens = self.block_skipped_tokens or [0] * self.num_blocks
+        self.block_text_tokens = self.block_text_tokens or [0] * self.num_blocks
+        self.block_text_skipped_tokens = self.block_text_skipped_tokens or [0] * self.num_blocks
 
     # -- recording (called by the skip runtime) ---------------------------------------------------------
     def phase(self, is_prefill: bool) -> PhaseCount:
         return self.prefill if is_prefill else self.decode
 
-    def record_decision(self, block: int, tokens: int, skipped: int) -> None:
+    def record_decision(self, block: int, tokens: int, skipped: int, text_tokens: int | None = None,
+                        text_skipped: int | None = None) -> None:
+        """Count one block decision: real tokens and how many skipped, and the same over real text tokens
+        (default: every real token is text)."""
         self.block_tokens[block] += tokens
         self.block_skipped_tokens[block] += skipped
+        self.block_text_tokens[block] += tokens if text_tokens is None else text_tokens
+        self.block_text_skipped_tokens[block] += skipped if text_skipped is None else text_skipped
 
     def record_layer(self, kind: str, executed: int, full: int, is_prefill: bool) -> None:
         self.layer_calls[kind] += 1
@@ -121,8 +131,8 @@ class SkipReport:
                 mine.full_flops += theirs.full_flops
                 mine.tokens += theirs.tokens
                 mine.forwards += theirs.forwards
-            total.block_tokens = [a + b for a, b in zip(total.block_tokens, report.block_tokens)]
-            total.block_skipped_tokens = [a + b for a, b in zip(total.block_skipped_tokens, report.block_skipped_tokens)]
+            for name in ("block_tokens", "block_skipped_tokens", "block_text_tokens", "block_text_skipped_tokens"):
+                setattr(total, name, [a + b for a, b in zip(getattr(total, name), getattr(report, name))])
             for kind, count in report.layer_calls.items():
                 total.layer_calls[kind] += count
             total.wall_seconds += report.wall_seconds
@@ -152,8 +162,18 @@ class SkipReport:
     def skipped_layer_fraction(self) -> float:
         """Token-level fraction of decoder-layer executions skipped: what batch-1 decoding would save
         before kv-only costs. `compute_saved` is lower in batches, where only steps that all rows skip save."""
+        return self._layer_weighted(self.skip_rates)
+
+    @property
+    def skipped_text_layer_fraction(self) -> float:
+        """`skipped_layer_fraction` over real text tokens only (visual placeholders left out): decode steps hold
+        text tokens only, so this is what a decode skips when image positions skip otherwise than text."""
+        rates = [s / t if t else 0.0 for s, t in zip(self.block_text_skipped_tokens, self.block_text_tokens)]
+        return self._layer_weighted(rates)
+
+    def _layer_weighted(self, rates: list[float]) -> float:
         layers = sum(self.block_layers)
-        return sum(rate * n for rate, n in zip(self.skip_rates, self.block_layers)) / layers if layers else 0.0
+        return sum(rate * n for rate, n in zip(rates, self.block_layers)) / layers if layers else 0.0
 
     @property
     def tokens_per_second(self) -> float:
@@ -169,6 +189,7 @@ class SkipReport:
             "full_flops": self.full_flops,
             "skip_rates": self.skip_rates,
             "skipped_layer_fraction": self.skipped_layer_fraction,
+            "skipped_text_layer_fraction": self.skipped_text_layer_fraction,
             "layer_calls": dict(self.layer_calls),
             "prefill_tokens": self.prefill.tokens,
             "decode_tokens": self.decode.tokens,

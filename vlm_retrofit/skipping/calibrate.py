@@ -25,10 +25,13 @@ class CalibrationResult:
     settings: dict[str, Any]
     achieved_saving: float
     skip_rates: list[float] = field(default_factory=list)
+    counted_on: str = "real positions"
+    """Where the saving is counted: "real positions" (no padding) or "text positions" (image placeholders kept from
+    skipping are left out too)."""
 
     def summary(self) -> str:
         return (f"{self.policy}: target {100 * self.target_saving:.1f} % of layer executions skipped, "
-                f"reached {100 * self.achieved_saving:.1f} % on the calibration data")
+                f"reached {100 * self.achieved_saving:.1f} % on the calibration data ({self.counted_on})")
 
 
 def _score_fn(policy: str) -> Callable[[int, Any, RouterAdapter], Tensor]:
@@ -231,7 +234,8 @@ def static_prefix(order: list[int], layout, target_saving: float) -> list[int]:
 def calibrate(adapter: RouterAdapter, batches: Iterable[Mapping[str, Any]], target_saving: float,
               policy: str = "recent_weight", *, per_modality: bool = True, tolerance: float = 0.01,
               max_iterations: int = 16, store: bool = True, order: list[int] | None = None,
-              candidates: int | Sequence[int] | None = None) -> CalibrationResult:
+              candidates: int | Sequence[int] | None = None, skip_image_positions: bool | None = None
+              ) -> CalibrationResult:
     """Find settings of `policy` that skip `target_saving` of all decoder-layer executions on `batches`.
 
     The saving is the token-level fraction of layer executions skipped (what a batch-1 decode saves, before
@@ -247,6 +251,11 @@ def calibrate(adapter: RouterAdapter, batches: Iterable[Mapping[str, Any]], targ
     adapter's `skip_candidates` when its training was restricted to them. Small models are
     dense: on SmolLM2-135M random per-token skipping of 20 % of layer executions spread over all skippable layers
     raised perplexity x36, spread over the 9 cheapest x1.9.
+    `skip_image_positions=False` (per-token policies): visual placeholders run every block, and the target counts
+    real text positions only (`SkipReport.skipped_text_layer_fraction`, what decode steps skip). A batch-1 prefill
+    saves a block only where every prompt token skips it, so skipping image positions saves almost nothing, yet
+    every caption token reads their keys and values. None takes the adapter's training setting
+    (`skip_image_positions`, True unless trained with image positions kept).
     With `store`, the result is kept in `adapter.calibration` (saved with the adapter) and
     `adapter.skipping(policy, target_saving=...)` uses it.
     """
@@ -263,6 +272,15 @@ def calibrate(adapter: RouterAdapter, batches: Iterable[Mapping[str, Any]], targ
         if policy == "static":
             raise ValueError("candidates restrict per-token policies; a static removal takes a prefix of `order`")
         pool = candidate_blocks(adapter, batches, candidates, order)
+    if skip_image_positions is None:
+        skip_image_positions = adapter.skip_image_positions or policy == "static"
+    if policy == "static" and not skip_image_positions:
+        raise ValueError("skip_image_positions=False applies to per-token policies; a static removal skips whole "
+                         "blocks for every position")
+    protect = {} if skip_image_positions else {"skip_image_positions": False}
+
+    def realised(report) -> float:
+        return report.skipped_layer_fraction if skip_image_positions else report.skipped_text_layer_fraction
     skippable_layers = sum(len(layout.layers_of_block(b)) for b in pool)
     reachable = skippable_layers / layout.num_layers
     if not 0 < target_saving <= reachable:
@@ -278,8 +296,8 @@ def calibrate(adapter: RouterAdapter, batches: Iterable[Mapping[str, Any]], targ
         settings: dict[str, Any] = {"blocks": static_prefix(list(order), layout, target_saving)}
     elif policy == "random":
         restricted = {} if candidates is None else {"blocks": list(pool)}
-        settings = _bisect(adapter, batches, policy, lambda rate: {"rate": rate, **restricted},
-                           target_saving / reachable, target_saving, tolerance, max_iterations)
+        settings = _bisect(adapter, batches, policy, lambda rate: {"rate": rate, **restricted, **protect},
+                           target_saving / reachable, target_saving, tolerance, max_iterations, realised)
     else:
         recorder = _ScoreRecorder(_score_fn(policy))
         if policy == "gate":
@@ -287,12 +305,15 @@ def calibrate(adapter: RouterAdapter, batches: Iterable[Mapping[str, Any]], targ
         _run(adapter, batches, recorder)
         scores = {modality: {b: torch.cat(v) for b, v in values.items() if b in pool and sum(x.numel() for x in v)}
                   for modality, values in recorder.values.items()}
-        settings = _bisect(adapter, batches, policy, lambda rate: _settings_at(policy, scores, rate, per_modality),
-                           target_saving / reachable, target_saving, tolerance, max_iterations)
+        if not skip_image_positions:
+            scores["image"] = {}  # image positions never skip: their scores set no threshold
+        settings = _bisect(adapter, batches, policy,
+                           lambda rate: {**_settings_at(policy, scores, rate, per_modality), **protect},
+                           target_saving / reachable, target_saving, tolerance, max_iterations, realised)
 
     controller = _run(adapter, batches, POLICIES[policy](**settings))
-    result = CalibrationResult(policy, float(target_saving), settings, controller.report.skipped_layer_fraction,
-                               controller.report.skip_rates)
+    result = CalibrationResult(policy, float(target_saving), settings, realised(controller.report),
+                               controller.report.skip_rates, "real positions" if skip_image_positions else "text positions")
     if store:
         adapter.calibration.setdefault(policy, {})[f"{float(target_saving):.4f}"] = settings
     return result
@@ -348,13 +369,14 @@ def _settings_at(policy: str, scores: dict[str, dict[int, Tensor]], rate: float,
     return settings
 
 
-def _bisect(adapter, batches, policy, settings_at, start_rate, target, tolerance, max_iterations):
-    """Bisect the per-block skip rate until runs *with* skipping reach `target` (or the closest seen)."""
+def _bisect(adapter, batches, policy, settings_at, start_rate, target, tolerance, max_iterations, realised):
+    """Bisect the per-block skip rate until runs *with* skipping reach `target` as `realised(report)` counts it (or
+    the closest seen)."""
     low, high, rate = 0.0, 1.0, min(max(start_rate, 0.0), 1.0)
     best = (float("inf"), settings_at(rate))
     for _ in range(max_iterations):
         settings = settings_at(rate)
-        achieved = _run(adapter, batches, POLICIES[policy](**settings)).report.skipped_layer_fraction
+        achieved = realised(_run(adapter, batches, POLICIES[policy](**settings)).report)
         if abs(achieved - target) < best[0]:
             best = (abs(achieved - target), settings)
         if abs(achieved - target) <= tolerance:

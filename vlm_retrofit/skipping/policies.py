@@ -14,6 +14,11 @@ class SkipPolicy:
     """Decides, before block `block` runs, which tokens skip it. Only asked for skippable blocks."""
 
     name = "custom"
+    skip_image_positions = True
+    """False: visual-placeholder positions run every block (the runtime clears their skips). At batch 1 a
+    per-token policy saves prefill compute only where every prompt token skips a block, which almost never
+    happens, while every caption token reads the image positions' keys and values: skipping there costs quality
+    and saves nearly nothing."""
 
     def validate(self, layout: BlockLayout, adapter: Any) -> None:
         """Refuse settings that do not exist for this backbone (called once, before any forward)."""
@@ -74,6 +79,13 @@ def _thresholded_blocks(layout: BlockLayout, *values: float | dict[int, float] |
     return tuple(b for b in layout.skippable_blocks if b in named)
 
 
+def _image_setting(skip_image_positions: bool, image_values: Any, what: str) -> bool:
+    if not skip_image_positions and image_values is not None:
+        raise ValueError(f"{what} are set while skip_image_positions=False keeps image positions from skipping: "
+                         "drop one of the two")
+    return bool(skip_image_positions)
+
+
 def _skip_by_modality(score: Tensor, threshold: float | None, image_threshold: float | None, token_is_image: Tensor | None,
                       skips: Callable[[Tensor, float], Tensor]) -> Tensor:
     """`skips(score, threshold)` at text positions and `skips(score, image_threshold)` at visual placeholders (when
@@ -88,15 +100,17 @@ class RecentWeightPolicy(SkipPolicy):
     """Skip when the router puts more than a per-block threshold on the most recent present source (ReSkip).
 
     `image_thresholds`, when given, apply at visual-placeholder positions (image and text tokens route
-    differently, so calibration sets them apart); `thresholds` apply everywhere else.
+    differently, so calibration sets them apart); `thresholds` apply everywhere else. `skip_image_positions=False`
+    keeps image positions from skipping at all (see `SkipPolicy.skip_image_positions`).
     """
 
     name = "recent_weight"
 
     def __init__(self, thresholds: float | Mapping[int, float],
-                 image_thresholds: float | Mapping[int, float] | None = None) -> None:
+                 image_thresholds: float | Mapping[int, float] | None = None, skip_image_positions: bool = True) -> None:
         self.thresholds = _per_block(thresholds)
         self.image_thresholds = _per_block(image_thresholds)
+        self.skip_image_positions = _image_setting(skip_image_positions, self.image_thresholds, "image_thresholds")
 
     def validate(self, layout: BlockLayout, adapter: Any) -> None:
         for values in (self.thresholds, self.image_thresholds):
@@ -123,15 +137,16 @@ class GatePolicy(SkipPolicy):
     `image_threshold`, when given, applies at visual-placeholder positions; `threshold` applies everywhere else.
     Gates can score image and text tokens very differently (the benchmark's skipped image positions most), and
     one threshold for both then realises another skip rate on text, which is what a decode runs; calibration
-    sets them apart.
+    sets them apart. `skip_image_positions=False` keeps image positions from skipping at all.
     """
 
     name = "gate"
 
     def __init__(self, threshold: float | Mapping[int, float] = 0.5,
-                 image_threshold: float | Mapping[int, float] | None = None) -> None:
+                 image_threshold: float | Mapping[int, float] | None = None, skip_image_positions: bool = True) -> None:
         self.threshold = _per_block(threshold)
         self.image_threshold = _per_block(image_threshold)
+        self.skip_image_positions = _image_setting(skip_image_positions, self.image_threshold, "image_threshold")
 
     def validate(self, layout: BlockLayout, adapter: Any) -> None:
         if not adapter.config.skip_gate:
@@ -183,7 +198,7 @@ class StaticPolicy(SkipPolicy):
 
 class RandomPolicy(SkipPolicy):
     """Skip each (token, block) with probability `rate`, by a hash of the token's decoder input; only `blocks`
-    (default: every skippable block) are ever skipped.
+    (default: every skippable block) are ever skipped; image positions too unless `skip_image_positions=False`.
 
     A hash rather than an RNG stream: the same token gets the same decision with and without a KV cache
     and across runs, so random baselines are reproducible and comparable.
@@ -191,10 +206,12 @@ class RandomPolicy(SkipPolicy):
 
     name = "random"
 
-    def __init__(self, rate: float, seed: int = 0, blocks: list[int] | None = None) -> None:
+    def __init__(self, rate: float, seed: int = 0, blocks: list[int] | None = None,
+                 skip_image_positions: bool = True) -> None:
         if not 0.0 <= rate <= 1.0:
             raise ValueError(f"random skip rate must be in [0, 1], got {rate}")
         self.rate, self.seed = float(rate), int(seed)
+        self.skip_image_positions = bool(skip_image_positions)
         self.blocks = None if blocks is None else sorted({int(b) for b in blocks})
         self._direction: Tensor | None = None
 

@@ -91,6 +91,9 @@ class SkipController:
         self._token_is_image: Tensor | None = None
         self._token_is_real: Tensor | None = None
         self._real_tokens: int | None = None
+        self._text_positions: Tensor | None = None
+        """Bool [B, T] of real text positions in this forward; None when it holds no visual placeholder."""
+        self._text_tokens: int | None = None
 
     def _cacheless_blocks(self, adapter: RouterAdapter, policy: SkipPolicy | None) -> frozenset[int]:
         """The policy's always-skipped blocks whose empty cache nothing reads.
@@ -152,7 +155,9 @@ class SkipController:
         input_ids = kwargs.get("input_ids", args[0] if args else None)
         self._token_is_image = None
         if isinstance(input_ids, Tensor) and self._image_ids.numel():
-            self._token_is_image = torch.isin(input_ids, self._image_ids.to(input_ids.device))
+            is_image = torch.isin(input_ids, self._image_ids.to(input_ids.device))
+            # None when there is none (every decode step): per-modality rules then cost no work per block.
+            self._token_is_image = is_image if bool(is_image.any()) else None
         mask = kwargs.get("attention_mask")
         self._token_is_real = mask.bool() if isinstance(mask, Tensor) and mask.dim() == 2 else None
 
@@ -181,7 +186,9 @@ class SkipController:
         self._skip.clear()
         self._none_ran.clear()
         self._used = None
-        self._real_tokens = None
+        self._real_tokens = self._text_tokens = None
+        image, real = state.token_is_image, state.token_is_real
+        self._text_positions = None if image is None else (~image if real is None else real & ~image)
         self._context_length = state.context_length  # a removed layer's own cache stays empty: not its length
         self._count_forward(tokens_shape[0], tokens_shape[1], self._context_length)
 
@@ -198,7 +205,10 @@ class SkipController:
         if block not in self.patched_blocks:  # the policy never skips it (its layers are not even patched)
             self._record_decision(block, state, None)
             return
-        skip = self._apply_budget(self.policy.skip_mask(block, state, self.adapter))
+        skip = self.policy.skip_mask(block, state, self.adapter)
+        if skip is not None and not self.policy.skip_image_positions and state.token_is_image is not None:
+            skip = skip & ~state.token_is_image  # visual placeholders run every block
+        skip = self._apply_budget(skip)
         if skip is None:
             self._record_decision(block, state, None)
             return
@@ -210,33 +220,42 @@ class SkipController:
             self._none_ran.add(block)
         self._skip[block] = skip
 
-    def _read_skip_counts(self, skip: Tensor, state: Any) -> tuple[int, int]:
-        """(tokens skipping, real tokens skipping) of one block's decision, in one read from the device.
+    def _read_skip_counts(self, skip: Tensor, state: Any) -> tuple[int, int, int]:
+        """(tokens skipping, real tokens skipping, real text tokens skipping) of one block's decision, in one read
+        from the device.
 
-        On CUDA every read waits for the GPU: the fast paths' any / all, the report's count and the forward's real
-        token count come back together instead of one wait each.
+        On CUDA every read waits for the GPU: the fast paths' any / all, the report's counts and the forward's
+        token counts come back together instead of one wait each.
         """
-        real = state.token_is_real
-        counts = [skip.sum()]
-        counts.append((skip & real).sum() if real is not None else counts[0])
-        if self._real_tokens is None and real is not None:
-            counts.append(real.sum())
-        values = torch.stack(counts).tolist()
+        real, text = state.token_is_real, self._text_positions
+        counts = {"all": skip.sum()}
+        counts["real"] = (skip & real).sum() if real is not None else counts["all"]
+        counts["text"] = (skip & text).sum() if text is not None else counts["real"]
         if self._real_tokens is None:
-            self._real_tokens = values[2] if real is not None else skip.numel()
-        return values[0], values[1]
+            if real is not None:
+                counts["real_tokens"] = real.sum()
+            if text is not None:
+                counts["text_tokens"] = text.sum()
+        values = dict(zip(counts, torch.stack(list(counts.values())).tolist()))
+        if self._real_tokens is None:
+            self._real_tokens = values.get("real_tokens", skip.numel())
+            self._text_tokens = values.get("text_tokens", self._real_tokens)
+        return values["all"], values["real"], values["text"]
 
     def _record_decision(self, block: int, state: Any, skip: Tensor | None, *, everyone: bool = False) -> int:
-        """Skip rates count real tokens only: padding positions are computed but are nobody's output. Returns how
-        many tokens, padding included, skip (`skip` None: none, or all with `everyone`, which the caller knows)."""
+        """Skip rates count real tokens only: padding positions are computed but are nobody's output (and apart,
+        real text tokens). Returns how many tokens, padding included, skip (`skip` None: none, or all with
+        `everyone`, which the caller knows)."""
         if skip is not None:
-            skipped, skipped_real = self._read_skip_counts(skip, state)
-            self.report.record_decision(block, self._real_tokens, skipped_real)
+            skipped, skipped_real, skipped_text = self._read_skip_counts(skip, state)
+            self.report.record_decision(block, self._real_tokens, skipped_real, self._text_tokens, skipped_text)
             return skipped
-        real = state.token_is_real
         if self._real_tokens is None:  # once per forward: the same for every block
+            real, text = state.token_is_real, self._text_positions
             self._real_tokens = int(real.sum()) if real is not None else state.routed_input.shape[:-1].numel()
-        self.report.record_decision(block, self._real_tokens, self._real_tokens if everyone else 0)
+            self._text_tokens = int(text.sum()) if text is not None else self._real_tokens
+        self.report.record_decision(block, self._real_tokens, self._real_tokens if everyone else 0,
+                                    self._text_tokens, self._text_tokens if everyone else 0)
         return 0
 
     def _apply_budget(self, skip: Tensor | None) -> Tensor | None:

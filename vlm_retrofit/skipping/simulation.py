@@ -26,6 +26,8 @@ class SkipSimulation(SkipController):
     a compute target is met most cheaply by skipping those, which saves a decode nothing.
     `candidate_blocks`: the only blocks sampled per token (the others run for every token, as they will under a
     policy calibrated with the same `candidates`); default every skippable block.
+    `skip_image_positions=False`: visual placeholders run every sampled block, as under a policy calibrated so; their
+    gates then get no gradient there.
     """
 
     mode = "blend"
@@ -33,7 +35,7 @@ class SkipSimulation(SkipController):
     def __init__(self, adapter: RouterAdapter, drop_rate: float = 0.0, *, use_gates: bool = True,
                  budget: int | float | None = None, generator: torch.Generator | None = None,
                  removed_blocks: Iterable[int] = (), counted_positions: Tensor | None = None,
-                 candidate_blocks: Iterable[int] | None = None) -> None:
+                 candidate_blocks: Iterable[int] | None = None, skip_image_positions: bool = True) -> None:
         super().__init__(adapter, policy=None, budget=budget)
         # Nothing counted (e.g. a batch of padding only) counts every position.
         self.counted_positions = (counted_positions if counted_positions is not None and bool(counted_positions.any())
@@ -49,6 +51,7 @@ class SkipSimulation(SkipController):
         if not 0.0 <= drop_rate < 1.0:
             raise ValueError(f"drop_rate must be in [0, 1), got {drop_rate}")
         self.drop_rate = float(drop_rate)
+        self.skip_image_positions = bool(skip_image_positions)
         self.use_gates = bool(use_gates and adapter.config.skip_gate)
         self.generator = generator
         self._multiplier: dict[int, Tensor] = {}
@@ -89,10 +92,15 @@ class SkipSimulation(SkipController):
             gate_prob = self.adapter.gates[str(block)](routed, self.adapter.config.key_norm_eps)
             run = run & (self._uniform(gate_prob) < gate_prob.detach())
             keep_prob = self._counted_mean(gate_prob) * (1.0 - self.drop_rate)
+        decided = None  # positions whose run decision is sampled: all, or the text positions
+        if not self.skip_image_positions and state.token_is_image is not None:
+            decided = ~state.token_is_image
+            run = run | state.token_is_image
         skip = self._apply_budget(~run)  # a token out of budget runs the block after all
         multiplier = (~skip).float()
         if gate_prob is not None:
-            multiplier = multiplier + (gate_prob - gate_prob.detach())  # straight-through: value unchanged
+            straight_through = gate_prob - gate_prob.detach()  # value 0: the multiplier's value is unchanged
+            multiplier = multiplier + (straight_through if decided is None else straight_through * decided)
         self._skip[block] = skip
         self._multiplier[block] = multiplier
         self.expected_keep[block] = keep_prob

@@ -32,6 +32,7 @@ def checkpoint_metadata(module: "RetrofitModule") -> dict[str, Any]:
         "lora": module.hparams.lora,
         "removal_order": module.adapter.removal_order,
         "skip_candidates": module.adapter.skip_candidates,
+        "skip_image_positions": module.adapter.skip_image_positions,
         "replacements": None if module.replacements is None else {str(k): v for k, v in module.replacements.items()},
         "replacement_layers": None if module.replacements is None else module.replacement_layers(),
         "trainable_keys": sorted(module.trainable_keys()),

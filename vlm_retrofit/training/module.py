@@ -93,6 +93,7 @@ class RetrofitModule(pl.LightningModule):
         use_gates: bool = True,
         skip_budget: float | None = None,
         skip_candidates: int | list[int] | None = None,
+        skip_image_positions: bool = True,
         removal_order: list[int] | Literal["impact", "joint", "span"] | None = None,
         max_removed_blocks: int = 0,
         min_removed_blocks: int = 0,
@@ -166,6 +167,10 @@ class RetrofitModule(pl.LightningModule):
                 impact on the first training batch; or a list of blocks; null = every skippable block.
                 Saved with the adapter, and `calibrate` restricts per-token policies to them by default: spread
                 over every layer, per-token skipping also hits layers whose removal alone is catastrophic.
+            skip_image_positions: false = visual placeholders run every block in simulated per-token skipping, as
+                under a policy calibrated with `skip_image_positions=False` (saved with the adapter, and `calibrate`
+                then keeps them by default). A batch-1 prefill saves a block only where every prompt token skips
+                it, so skipping image positions saves almost nothing while every answer token reads them.
             removal_order: skippable blocks in the order a static policy will remove them (cheapest first), for
                 the removal schedule; `impact` ranks them by single-block removal KL on the first training
                 batch; `joint` takes the first `max_removed_blocks` by greedy joint removal on that batch (each
@@ -281,6 +286,7 @@ class RetrofitModule(pl.LightningModule):
             self._set_removal_order(list(removal_order))
         if skip_candidates is not None and not isinstance(skip_candidates, int):
             self._set_skip_candidates(skip_candidates)  # a list is checked now, before any work
+        self.adapter.skip_image_positions = bool(skip_image_positions)
         self.strict_loading = False  # checkpoints hold trainable state only; on_load_checkpoint checks it all
         self.nonfinite_steps = 0
         self.nonfinite_streak = 0
@@ -459,7 +465,8 @@ class RetrofitModule(pl.LightningModule):
         generator = torch.Generator().manual_seed(seed)  # CPU: the same masks on any device
         return SkipSimulation(self.adapter, drop_rate=drop_rate, use_gates=gates, budget=self.hparams.skip_budget,
                               generator=generator, removed_blocks=removed or (), counted_positions=counted_positions,
-                              candidate_blocks=self.adapter.skip_candidates)
+                              candidate_blocks=self.adapter.skip_candidates,
+                              skip_image_positions=self.adapter.skip_image_positions)
 
     def _forward(self, inputs: dict[str, Any], keep: Tensor | None):
         if keep is not None:
