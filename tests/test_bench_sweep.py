@@ -198,6 +198,8 @@ def test_report_writes_json_markdown_and_plot(tmp_path):
     record = {"method": "static-greedy-impact", "target": 0.2, "compute_saved": 0.19, "agreement": 0.5,
               "ppl_ratio": 2.0, "rouge_l": 0.3, "decode_speedup_b1": 1.1, "decode_speedup_b1_range": [1.04, 1.16],
               "decode_speedup_b8": None, "kl": 0.4}
+    kept = {**record, "method": "ours-gate", "skipped_fraction": 0.21, "tf_skipped_fraction": 0.1,
+            "tf_skipped_text_fraction": 0.2, "ppl_skipped_fraction": 0.19}  # image positions kept from skipping
     results = {"date": "2026-01-01", "machine": "test", "backbone": "tiny", "router_overhead": 1.05,
                "router_time_share": 0.04,
                "base": {"ppl": 50.0, "rouge_l": 0.35, "speed_b1": 10.0, "speed_b8": 40.0},
@@ -208,14 +210,15 @@ def test_report_writes_json_markdown_and_plot(tmp_path):
                                       "peak_rss_mb": 100.0, "lr": 2e-3, "schedule": "cosine to 0.1x over 3 steps",
                                       "fit_seconds": 48.0,
                                       "query_lr_scale": 0.04, "train_routers": False}},
-               "records": [record]}
+               "records": [record, kept]}
     out = tmp_path / "new" / "folder"  # a folder that does not exist yet is created, not a lost report
     write_report(results, out)
-    assert json.loads((out / "results.json").read_text())["records"] == [record]
+    assert json.loads((out / "results.json").read_text())["records"] == [record, kept]
     table = (out / "RESULTS.md").read_text()
     assert "| static-greedy-impact | 0.20 | 0.190 |" in table and "router overhead" in table
     assert "| 1.100 (1.04–1.16) | – |" in table  # the median of the paired rounds with their range
     assert "4.0%, i.e. overhead 1.042" in table
+    assert "| 0.210 / 0.100 (text 0.200) / 0.190 |" in table  # the caption passes' text positions beside all
     assert "lr 0.002, queries at 0.04x lr, removal schedule k = 6..9" in table
     assert "lr 0.002 (cosine to 0.1x over 3 steps), routers off (identity, untrained): LoRA only" in table
     assert "`plain`: 3 steps in 0.8 of 1 min" in table and "`routed`: 3 steps in 1.0 min" in table
