@@ -276,6 +276,9 @@ def test_per_token_skipping_trained_on_candidate_blocks_only_is_saved_resumed_an
     assert loaded.skip_image_positions and not kept_loaded.skip_image_positions
     settings = calibrate(kept_loaded, [module.model_inputs(batch)[0]], 0.2, "random", store=False).settings
     assert settings["skip_image_positions"] is False  # and calibration keeps them by default
+    kept_resumed = RetrofitModule(backbone="tiny:llama", backbone_kwargs=LAYERS)
+    kept_resumed.on_load_checkpoint({"state_dict": kept.trainable_state_dict(), "vlm_retrofit": kept.checkpoint_metadata()})
+    assert kept_resumed.adapter.skip_image_positions is False  # and keeps image positions as it started
     listed = RetrofitModule(backbone="tiny:llama", backbone_kwargs=LAYERS, skip_candidates=[4, 2])
     assert listed.adapter.skip_candidates == [2, 4]
     with pytest.raises(ValueError, match="candidates"):

@@ -663,6 +663,8 @@ class RetrofitModule(pl.LightningModule):
             self._set_removal_order(meta["removal_order"])  # a resumed run keeps the schedule it started with
         if meta.get("skip_candidates") is not None:
             self.adapter.skip_candidates = list(meta["skip_candidates"])  # and the blocks it samples
+        if meta.get("skip_image_positions") is not None:  # and whether image positions may skip
+            self.adapter.skip_image_positions = bool(meta["skip_image_positions"])
         if meta.get("replacements") is not None:
             self.replacements = {int(k): v for k, v in meta["replacements"].items()}
         self.nonfinite_steps = int(meta.get("nonfinite_steps", 0))
