@@ -11,6 +11,7 @@ from vlm_retrofit.backbones.loading import load_backbone
 from vlm_retrofit.cli import main
 from vlm_retrofit.pruning import blocks_to_prune, layers_removed, prune_layers
 from vlm_retrofit.release import load_trained, merge
+from vlm_retrofit.skipping import untrained_removal
 from vlm_retrofit.testing import FAMILIES, tiny_inputs, tiny_vlm
 
 from conftest import fit_config
@@ -136,6 +137,7 @@ def test_merge_prune_target_writes_a_plain_shallower_model(trained_removal, tmp_
     config = json.loads((tmp_path / "pruned" / "release_config.json").read_text())
     assert config["pruned"]["removed_layers"] == blocks and config["pruned"]["num_layers_before"] == 8
     assert config["lora"] == "merged" and not (tmp_path / "pruned" / "router").exists()
+    assert config["pruned"]["removal_trained"] is True
     assert 0 < config["pruned"]["routers_dropped"]["kl_routed_to_pruned"]
     assert "routers were dropped" in (tmp_path / "pruned" / "README.md").read_text()
 
@@ -150,10 +152,12 @@ def test_merge_prune_target_writes_a_plain_shallower_model(trained_removal, tmp_
 
 
 def test_pruned_release_commands_and_refusals(trained_removal, tmp_path, capsys):
-    assert main(["merge", "--ckpt", str(trained_removal), "--output", str(tmp_path / "pruned"), "--prune-blocks", "3"]) == 0
+    first = json.loads((trained_removal / "adapter_config.json").read_text())["removal_order"][0]
+    assert main(["merge", "--ckpt", str(trained_removal), "--output", str(tmp_path / "pruned"),
+                 "--prune-blocks", str(first)]) == 0
     capsys.readouterr()
     assert main(["generate", "--model", str(tmp_path / "pruned"), "--prompt", "Hi", "--max-new-tokens", "3"]) == 0
-    assert "[pruned release] decoder layers [3] of 8 deleted" in capsys.readouterr().out
+    assert f"[pruned release] decoder layers [{first}] of 8 deleted" in capsys.readouterr().out
     assert main(["generate", "--model", str(tmp_path / "pruned"), "--prompt", "Hi", "--max-new-tokens", "3",
                  "--compare-base"]) == 0
     out = capsys.readouterr().out
@@ -167,6 +171,39 @@ def test_pruned_release_commands_and_refusals(trained_removal, tmp_path, capsys)
     # A block that may not be removed is refused before anything is written.
     assert main(["merge", "--ckpt", str(trained_removal), "--output", str(tmp_path / "bad"), "--prune-blocks", "0"]) == 1
     assert "cannot be pruned" in capsys.readouterr().out and not (tmp_path / "bad").exists()
+
+
+def test_untrained_removal_is_named_and_refused_unless_asked_for():
+    model, _ = tiny_vlm("llama", num_hidden_layers=8)
+    adapter = attach_routers(model, RouterConfig(block_size=1))
+    adapter.removal_order = [5, 2, 3, 6]
+    assert untrained_removal(adapter, [6]) is None  # no removal schedule recorded: nothing to hold it to
+    adapter.removal_range = (2, 2)  # healed for the first two blocks of the order only
+    assert untrained_removal(adapter, [5, 2]) is None
+    assert blocks_to_prune(adapter, target_saving=0.25) == [2, 5]
+    fewer = untrained_removal(adapter, [5])
+    assert "first 2 blocks of its removal order [5, 2]" in fewer and "0.250 of the layers" in fewer
+    assert untrained_removal(adapter, [5, 3]) is not None  # as many blocks, not the ones it was trained without
+    for request in ({"target_saving": 0.125}, {"target_saving": 0.375}, {"blocks": [3, 6]}):
+        with pytest.raises(ValueError, match=r"not what this adapter was trained for.*--allow-untrained-removal"):
+            blocks_to_prune(adapter, **request)
+    assert blocks_to_prune(adapter, target_saving=0.375, allow_untrained=True) == [2, 3, 5]
+    adapter.removal_range = (0, 3)  # a schedule over 0..3 blocks trained every prefix up to 3
+    assert all(untrained_removal(adapter, adapter.removal_order[:k]) is None for k in range(1, 4))
+    assert "0.125 to 0.375 of the layers" in untrained_removal(adapter, adapter.removal_order)
+
+
+def test_merge_refuses_a_removal_the_adapter_was_not_trained_for(trained_removal, tmp_path, capsys):
+    saved = json.loads((trained_removal / "adapter_config.json").read_text())
+    assert saved["removal_range"] == [0, 3]  # tiny-removal.yaml: k drawn from 0..3
+    last = saved["removal_order"][-1]  # never removed in training
+    args = ["merge", "--ckpt", str(trained_removal), "--output", str(tmp_path / "pruned"), "--prune-blocks", str(last)]
+    assert main(args) == 1
+    assert "merge refused: removing blocks" in capsys.readouterr().out and not (tmp_path / "pruned").exists()
+    assert main([*args, "--allow-untrained-removal"]) == 0
+    config = json.loads((tmp_path / "pruned" / "release_config.json").read_text())
+    assert config["pruned"]["removed_blocks"] == [last] and config["pruned"]["removal_trained"] is False
+    assert "trained for another removal" in (tmp_path / "pruned" / "README.md").read_text()
 
 
 def test_a_pruned_release_is_the_backbone_of_a_new_retrofit(trained_removal, tmp_path):

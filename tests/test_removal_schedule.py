@@ -213,9 +213,11 @@ def test_impact_order_is_found_trained_saved_and_restored(tmp_path):
     fresh = RetrofitModule(backbone="tiny:llama", backbone_kwargs=LAYERS)
     fresh.adapter.detach()
     loaded = RouterAdapter.from_pretrained(fresh.model, tmp_path / "adapter")
-    assert loaded.removal_order == order
+    assert loaded.removal_order == order and loaded.removal_range == module.adapter.removal_range == (0, 2)
     blocks = calibrate(loaded, [module.model_inputs(batch)[0]], 2 / 6, "static", store=False).settings["blocks"]
     assert blocks == sorted(order[:2])
+    with pytest.warns(UserWarning, match="not what this adapter was trained for"):  # 3 blocks: beyond the schedule
+        calibrate(loaded, [module.model_inputs(batch)[0]], 3 / 6, "static", store=False)
 
     # A resumed module restores the schedule from the checkpoint, whatever its own argument says.
     checkpoint = {"state_dict": module.trainable_state_dict(), "vlm_retrofit": module.checkpoint_metadata()}
@@ -227,7 +229,8 @@ def test_impact_order_is_found_trained_saved_and_restored(tmp_path):
     from vlm_retrofit.release import load_checkpoint
 
     torch.save({**checkpoint, "hyper_parameters": dict(module.hparams)}, tmp_path / "model.ckpt")
-    assert load_checkpoint(tmp_path / "model.ckpt").adapter.removal_order == order
+    from_checkpoint = load_checkpoint(tmp_path / "model.ckpt").adapter
+    assert from_checkpoint.removal_order == order and from_checkpoint.removal_range == (0, 2)
 
 
 def test_per_token_skipping_trained_on_candidate_blocks_only_is_saved_resumed_and_calibrated_on_them(tmp_path):

@@ -14,14 +14,17 @@ from .backbones.registry import BackboneSpec, unwrap_model
 from .release import RELEASE_CONFIG, RELEASE_FORMAT, Loaded, real_logits
 from .replacement import check_replacements, fold_replacements
 from .routing import RouterAdapter, RouterConfig, attach_routers
-from .skipping.calibrate import static_prefix
+from .skipping.calibrate import static_prefix, untrained_removal
 
 
 def blocks_to_prune(adapter: RouterAdapter, *, blocks: Iterable[int] | None = None,
-                    target_saving: float | None = None) -> list[int]:
+                    target_saving: float | None = None, allow_untrained: bool = False) -> list[int]:
     """The router blocks a pruned release removes: `blocks` as given, or those the static policy removes at
     `target_saving` (the stored `static` calibration for that target, else the prefix of the adapter's trained
-    `removal_order`, the blocks its LoRA healing was trained without). Exactly one of the two."""
+    `removal_order`, the blocks its LoRA healing was trained without). Exactly one of the two.
+
+    A removal the adapter was not trained for (`untrained_removal`: another count or other blocks than its
+    removal schedule's) is refused unless `allow_untrained`: its LoRA would run on a model it never saw."""
     if (blocks is None) == (target_saving is None):
         raise ValueError("say what to prune: either blocks or target_saving (not both)")
     layout = adapter.layout
@@ -41,6 +44,10 @@ def blocks_to_prune(adapter: RouterAdapter, *, blocks: Iterable[int] | None = No
     bad = [b for b in chosen if b not in layout.skippable_blocks]
     if bad:
         raise ValueError(f"blocks {bad} cannot be pruned: the skippable blocks are {list(layout.skippable_blocks)}")
+    problem = untrained_removal(adapter, chosen)
+    if problem and not allow_untrained:
+        raise ValueError(f"{problem}. Prune one of those (--prune-target), retrain with min_removed_blocks / "
+                         "max_removed_blocks covering this removal, or pass --allow-untrained-removal to prune it anyway")
     return chosen
 
 
@@ -149,11 +156,14 @@ def prune_for_release(loaded: Loaded, blocks: list[int], inputs: dict[str, Any])
     with identity.skipping("static", blocks=blocks):
         expected = real_logits(model, inputs)
     identity.detach()
+    trained_for = None if adapter.removal_range is None else untrained_removal(adapter, blocks) is None
     removed = prune_layers(model, spec, layers)
     routed_log, plain_log = torch.log_softmax(routed, -1), torch.log_softmax(expected, -1)
     summary = {
         "removed_blocks": blocks, "removed_layers": removed, "num_layers_before": num_layers,
         "layer_compute_removed": len(removed) / num_layers,
+        # Whether training removed exactly these blocks (None: it removed none, e.g. routers alone at identity).
+        "removal_trained": trained_for,
         # Layers (numbered as before pruning) whose down projection carries the folded linear replacement.
         "replacement_folded_into": sorted(loaded.replacement[0]) if loaded.replacement is not None else None,
         "routers_dropped": {  # on the merge's sample inputs
@@ -191,7 +201,10 @@ def _pruned_model_card(config: dict[str, Any]) -> str:
         "",
         f"Decoder layers {pruned['removed_layers']} of {pruned['num_layers_before']} are deleted from the weights "
         f"({100 * pruned['layer_compute_removed']:.1f} % of decoder-layer compute)"
-        + (", with the LoRA that healed their removal merged in." if config["lora"] else "."),
+        + (", with the LoRA that healed their removal merged in." if config["lora"] and pruned.get("removal_trained")
+           else ", with the adapter's LoRA merged in." if config["lora"] else "."),
+        *(["The adapter was trained for another removal than this one (merged with --allow-untrained-removal): its "
+           "healing did not see this model."] if pruned.get("removal_trained") is False else []),
         *([f"A linear replacement of the removed spans is folded into the MLP output projections of layers "
            f"{pruned['replacement_folded_into']} (numbered as before pruning)."]
           if pruned.get("replacement_folded_into") else []),

@@ -97,10 +97,8 @@ def load_checkpoint(path: str | os.PathLike, base: str | None = None) -> Loaded:
             raise AdapterMismatchError(f"{path}: LoRA tensors {result.unexpected_keys[:5]} do not fit the model")
     adapter.base_model = base_model
     # What training recorded for skipping: the removal order static calibration and pruning take a prefix of,
-    # and the per-token setting calibration defaults to.
-    adapter.removal_order = meta.get("removal_order")
-    adapter.skip_candidates = meta.get("skip_candidates")
-    adapter.skip_image_positions = bool(meta.get("skip_image_positions", True))
+    # the removals it was trained for, and the per-token settings calibration defaults to.
+    adapter.restore_training_record(meta)
     replacement = None
     if meta.get("replacements") is not None:
         replacement = ({int(k): v for k, v in meta["replacements"].items()}, list(meta["replacement_layers"]))
@@ -297,7 +295,7 @@ def _write_release(loaded: Loaded, directory: Path, merge_lora: bool, full_weigh
 
 def merge(source: str | os.PathLike, output: str | os.PathLike, *, base: str | None = None, merge_lora: bool = False,
           full_weights: bool = False, verify: bool = True, prune_blocks: list[int] | None = None,
-          prune_target: float | None = None) -> Path:
+          prune_target: float | None = None, allow_untrained_removal: bool = False) -> Path:
     """Write a release folder for a checkpoint or adapter folder; see `python -m vlm_retrofit merge --help`.
 
     Atomic: everything is written to a hidden temporary folder beside `output` and renamed into place at
@@ -305,7 +303,8 @@ def merge(source: str | os.PathLike, output: str | os.PathLike, *, base: str | N
     must reproduce the source model's logits (fp32 tolerance 1e-4) before it is moved into place.
     `prune_blocks` / `prune_target` write a pruned release instead (see `vlm_retrofit.pruning`): the blocks the
     static policy removes are deleted from the weights (LoRA merged, routers dropped), and verification
-    compares with plain removal of those blocks from the unpruned model.
+    compares with plain removal of those blocks from the unpruned model. A removal the adapter was not trained
+    for is refused before any work unless `allow_untrained_removal` (`pruning.blocks_to_prune`).
     """
     output = Path(output)
     loaded = load_trained(source, base)
@@ -320,7 +319,8 @@ def merge(source: str | os.PathLike, output: str | os.PathLike, *, base: str | N
     if pruning:
         from .pruning import blocks_to_prune, prune_for_release, write_pruned_release
 
-        blocks = blocks_to_prune(loaded.adapter, blocks=prune_blocks, target_saving=prune_target)
+        blocks = blocks_to_prune(loaded.adapter, blocks=prune_blocks, target_saving=prune_target,
+                                 allow_untrained=allow_untrained_removal)
         model, expected, pruned = prune_for_release(loaded, blocks, inputs)
     else:
         expected = real_logits(loaded.model, inputs) if verify else None
@@ -372,10 +372,14 @@ def main(argv: list[str] | None = None) -> int:
                             "--full-weights and --merge-lora)")
     prune.add_argument("--prune-blocks", type=lambda text: [int(b) for b in text.split(",")], default=None,
                        help="write a pruned release deleting these router blocks (comma-separated, e.g. 13,16,17)")
+    parser.add_argument("--allow-untrained-removal", action="store_true",
+                        help="prune blocks the adapter was not trained to run without (another count or other blocks "
+                             "than its removal schedule's), which is refused by default")
     ns = parser.parse_args(argv)
     try:
         path = merge(ns.ckpt, ns.output, base=ns.base, merge_lora=ns.merge_lora, full_weights=ns.full_weights,
-                     verify=not ns.no_verify, prune_blocks=ns.prune_blocks, prune_target=ns.prune_target)
+                     verify=not ns.no_verify, prune_blocks=ns.prune_blocks, prune_target=ns.prune_target,
+                     allow_untrained_removal=ns.allow_untrained_removal)
     except (AdapterMismatchError, FileNotFoundError, ValueError, ReleaseVerificationError) as error:
         print(f"merge refused: {error}")
         return 1

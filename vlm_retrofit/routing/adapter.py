@@ -8,7 +8,7 @@ import os
 import tempfile
 import weakref
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -93,6 +93,10 @@ class RouterAdapter(nn.Module):
         self.removal_order: list[int] | None = None
         """Skippable blocks in the order a removal schedule was trained on (cheapest first); static
         calibration removes a prefix of it. None = untrained for removal (Block Influence decides)."""
+        self.removal_range: tuple[int, int] | None = None
+        """(fewest, most) leading blocks of `removal_order` a training step removed (k uniform in between): the
+        removals its routers and LoRA were trained for. A pruned release of another set is refused unless asked
+        for (`untrained_removal`). None = not trained under a removal schedule."""
         self.skip_candidates: list[int] | None = None
         """The only blocks per-token skipping was trained on (`RetrofitModule(skip_candidates=...)`); calibration of a
         per-token policy restricts itself to them by default. None = every skippable block."""
@@ -283,11 +287,24 @@ class RouterAdapter(nn.Module):
             "layout": self.layout.to_dict(),
             "calibration": self.calibration,
             "calibration_metrics": self.calibration_metrics,
-            "removal_order": self.removal_order,
-            "skip_candidates": self.skip_candidates,
-            "skip_image_positions": self.skip_image_positions,
+            **self.training_record(),
             "base_model": self.base_model,
         }
+
+    def training_record(self) -> dict[str, Any]:
+        """What training decided about skipping (saved with the adapter and in checkpoints): the removal order and
+        the removal counts trained, the per-token skip candidates, whether image positions may skip."""
+        return {"removal_order": self.removal_order,
+                "removal_range": None if self.removal_range is None else list(self.removal_range),
+                "skip_candidates": self.skip_candidates, "skip_image_positions": self.skip_image_positions}
+
+    def restore_training_record(self, saved: Mapping[str, Any]) -> None:
+        """Set what `training_record` wrote (older files lack some keys: those mean untrained for them)."""
+        self.removal_order = saved.get("removal_order")
+        removal_range = saved.get("removal_range")
+        self.removal_range = None if removal_range is None else (int(removal_range[0]), int(removal_range[1]))
+        self.skip_candidates = saved.get("skip_candidates")
+        self.skip_image_positions = bool(saved.get("skip_image_positions", True))
 
     def save_pretrained(self, directory: str | os.PathLike) -> Path:
         """Write `adapter_config.json` + `adapter_model.safetensors` (each replaced atomically)."""
@@ -318,9 +335,7 @@ class RouterAdapter(nn.Module):
         adapter.load_state_dict(state)
         adapter.calibration = saved.get("calibration", {})
         adapter.calibration_metrics = saved.get("calibration_metrics", {})
-        adapter.removal_order = saved.get("removal_order")
-        adapter.skip_candidates = saved.get("skip_candidates")
-        adapter.skip_image_positions = bool(saved.get("skip_image_positions", True))
+        adapter.restore_training_record(saved)
         adapter.base_model = saved.get("base_model") or adapter.base_model
         return _finish_attach(model, adapter, freeze_base)
 

@@ -10,6 +10,7 @@ from .calibrate import (
     greedy_removal_order,
     removal_impact,
     static_prefix,
+    untrained_removal,
 )
 from .policies import (
     POLICIES,
@@ -46,4 +47,5 @@ __all__ = [
     "make_policy",
     "removal_impact",
     "static_prefix",
+    "untrained_removal",
 ]

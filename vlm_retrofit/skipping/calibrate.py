@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Sequence
@@ -231,6 +232,26 @@ def static_prefix(order: list[int], layout, target_saving: float) -> list[int]:
     return sorted(chosen)
 
 
+def untrained_removal(adapter: RouterAdapter, blocks: Iterable[int]) -> str | None:
+    """Why removing `blocks` for every token runs a model the adapter was not trained for, or None when it was
+    (or when its training removed nothing: then no removal is more trained than another). A removal schedule
+    (`adapter.removal_range`) trained only the prefixes of `removal_order` of its lengths."""
+    if adapter.removal_range is None or adapter.removal_order is None:
+        return None
+    fewest, most = adapter.removal_range
+    order, chosen = list(adapter.removal_order), sorted({int(b) for b in blocks})
+    if fewest <= len(chosen) <= most and chosen == sorted(order[:len(chosen)]):
+        return None
+    layout = adapter.layout
+
+    def share(count: int) -> float:
+        return sum(len(layout.layers_of_block(b)) for b in order[:count]) / layout.num_layers
+    counts = f"{fewest}" if fewest == most else f"up to {most}" if fewest == 0 else f"{fewest} to {most}"
+    return (f"removing blocks {chosen} is not what this adapter was trained for: its training removed the first "
+            f"{counts} blocks of its removal order {order[:most]} (a static target of {share(max(fewest, 1)):.3f}"
+            + (f" to {share(most):.3f}" if most > max(fewest, 1) else "") + " of the layers)")
+
+
 def calibrate(adapter: RouterAdapter, batches: Iterable[Mapping[str, Any]], target_saving: float,
               policy: str = "recent_weight", *, per_modality: bool = True, tolerance: float = 0.01,
               max_iterations: int = 16, store: bool = True, order: list[int] | None = None,
@@ -294,6 +315,9 @@ def calibrate(adapter: RouterAdapter, batches: Iterable[Mapping[str, Any]], targ
             influence = block_influence(adapter, batches)
             order = sorted(layout.skippable_blocks, key=influence.__getitem__)
         settings: dict[str, Any] = {"blocks": static_prefix(list(order), layout, target_saving)}
+        problem = untrained_removal(adapter, settings["blocks"])
+        if problem:  # measuring it is legitimate (how far the healing carries); shipping it is refused by merge
+            warnings.warn(f"static calibration at target {target_saving}: {problem}", stacklevel=2)
     elif policy == "random":
         restricted = {} if candidates is None else {"blocks": list(pool)}
         settings = _bisect(adapter, batches, policy, lambda rate: {"rate": rate, **restricted, **protect},

@@ -287,6 +287,8 @@ class RetrofitModule(pl.LightningModule):
         if skip_candidates is not None and not isinstance(skip_candidates, int):
             self._set_skip_candidates(skip_candidates)  # a list is checked now, before any work
         self.adapter.skip_image_positions = bool(skip_image_positions)
+        if max_removed_blocks:  # what the schedule removes, so a release of another removal can be refused
+            self.adapter.removal_range = (int(min_removed_blocks), int(max_removed_blocks))
         self.strict_loading = False  # checkpoints hold trainable state only; on_load_checkpoint checks it all
         self.nonfinite_steps = 0
         self.nonfinite_streak = 0
