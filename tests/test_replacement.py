@@ -181,8 +181,10 @@ def test_module_fits_the_replacement_trains_with_it_resumes_it_and_ships_it_prun
         torch.testing.assert_close(released(**inputs).logits[mask], student, atol=1e-4, rtol=0)
 
     # Refused before any work: other layers pruned, or a release that would silently drop it.
-    with pytest.raises(ValueError, match=r"fitted with layers \[2, 3\] removed, but layers \[3\]"):
+    with pytest.raises(ValueError, match="not what this adapter was trained for"):
         merge(ckpt, tmp_path / "other", prune_blocks=[3])
+    with pytest.raises(ValueError, match=r"fitted with layers \[2, 3\] removed, but layers \[3\]"):
+        merge(ckpt, tmp_path / "other", prune_blocks=[3], allow_untrained_removal=True)
     with pytest.raises(ValueError, match="only a pruned release can use"):
         merge(ckpt, tmp_path / "routers")
     assert not (tmp_path / "other").exists() and not (tmp_path / "routers").exists()
