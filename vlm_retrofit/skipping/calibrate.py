@@ -242,14 +242,11 @@ def untrained_removal(adapter: RouterAdapter, blocks: Iterable[int]) -> str | No
     order, chosen = list(adapter.removal_order), sorted({int(b) for b in blocks})
     if fewest <= len(chosen) <= most and chosen == sorted(order[:len(chosen)]):
         return None
-    layout = adapter.layout
-
-    def share(count: int) -> float:
-        return sum(len(layout.layers_of_block(b)) for b in order[:count]) / layout.num_layers
-    counts = f"{fewest}" if fewest == most else f"up to {most}" if fewest == 0 else f"{fewest} to {most}"
+    layout, fewest = adapter.layout, max(fewest, 1)  # removing nothing is no prune
+    low, high = (len(layout.layers_of_blocks(order[:k])) / layout.num_layers for k in (fewest, most))
+    counts, targets = (f"{most}", f"{high:.3f}") if fewest == most else (f"{fewest} to {most}", f"{low:.3f} to {high:.3f}")
     return (f"removing blocks {chosen} is not what this adapter was trained for: its training removed the first "
-            f"{counts} blocks of its removal order {order[:most]} (a static target of {share(max(fewest, 1)):.3f}"
-            + (f" to {share(most):.3f}" if most > max(fewest, 1) else "") + " of the layers)")
+            f"{counts} blocks of its removal order {order[:most]} (a static target of {targets} of the layers)")
 
 
 def calibrate(adapter: RouterAdapter, batches: Iterable[Mapping[str, Any]], target_saving: float,
