@@ -251,6 +251,45 @@ def train_variant(variant: Variant, backbone: str, shards: dict[str, Any], minut
 
 
 # -- entry point ------------------------------------------------------------------------------------------
+def load_for_measuring(args, manifest: dict[str, Any]):
+    """The real VLM in `args.dtype` on `args.device` (eval mode), its processor, the eval set (`build_eval_set`
+    with `args`' settings) and a function that loads another copy of the model (a LoRA is merged into one)."""
+    from .real_vlm import load_real_vlm
+
+    dtype = getattr(torch, args.dtype)
+
+    def load_model():
+        return load_real_vlm(dtype=dtype)[0].to(args.device).eval()
+
+    model, processor = load_real_vlm(dtype=dtype)
+    model = model.to(args.device).eval()
+    return model, processor, build_eval_set(processor, manifest, args), load_model
+
+
+def machine(args) -> str:
+    """The machine a result was measured on, for its report: CPU, cores, torch, and the GPU when `args.device` is one."""
+    import platform
+
+    return (f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}"
+            + (f", GPU {torch.cuda.get_device_name()} ({args.dtype})" if args.device.startswith("cuda") else ""))
+
+
+def add_eval_arguments(parser: argparse.ArgumentParser, targets: list[float]) -> None:
+    """The evaluation settings `build_eval_set` and the measurements read (shared by `python -m bench.run` and
+    `python -m bench.measure`, so that their records compare): targets, test workloads, device and dtype."""
+    parser.add_argument("--targets", type=float, nargs="+", default=targets,
+                        help="fractions of decoder-layer executions to skip (matched across methods)")
+    parser.add_argument("--speed-target", type=float, default=0.2, help="target at which decode speed is measured")
+    parser.add_argument("--caption-samples", type=int, default=20, help="test images for agreement / ROUGE-L")
+    parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--text-chunks", type=int, default=8, help="held-out Austen chunks for perplexity")
+    parser.add_argument("--chunk-tokens", type=int, default=256)
+    parser.add_argument("--calibration-batches", type=int, default=2, help="per modality, from the val splits")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (training and every measurement)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="dtype of the frozen weights (routers stay fp32)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command line of `python -m bench.run`."""
     parser = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__)
@@ -275,20 +314,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--num-workers", type=int, default=1,
                         help="data loader workers per training run (one keeps up with a 2-core CPU's steps; a GPU's "
                              "steps need more)")
-    parser.add_argument("--targets", type=float, nargs="+", default=[0.1, 0.2, 0.3],
-                        help="fractions of decoder-layer executions to skip (matched across methods)")
-    parser.add_argument("--speed-target", type=float, default=0.2, help="target at which decode speed is measured")
-    parser.add_argument("--caption-samples", type=int, default=20, help="test images for agreement / ROUGE-L")
-    parser.add_argument("--new-tokens", type=int, default=16)
-    parser.add_argument("--text-chunks", type=int, default=8, help="held-out Austen chunks for perplexity")
-    parser.add_argument("--chunk-tokens", type=int, default=256)
-    parser.add_argument("--calibration-batches", type=int, default=2, help="per modality, from the val splits")
+    add_eval_arguments(parser, targets=[0.1, 0.2, 0.3])
     parser.add_argument("--replacement-batches", type=int, default=16,
                         help="per modality, from the train splits: what the training-free linear replacement baseline "
                              "(static-greedy-joint-replaced) is fitted on; 0 = not measured")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda (training and every measurement)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                        help="dtype of the frozen weights (routers stay fp32)")
     parser.add_argument("--runs", default=str(RUNS), help="trained adapters (reused when present: delete to retrain)")
     parser.add_argument("--reuse-baselines", action="store_true",
                         help="take the static / random / oracle records from <runs>/baselines.json when an earlier run "
@@ -316,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from . import efficientnet_tower  # noqa: F401  registers the vision tower's config before any loading
     from .data import write_bench_shards
-    from .real_vlm import build_real_vlm, load_real_vlm
+    from .real_vlm import build_real_vlm
 
     manifest = write_bench_shards()
     args.backbone = str(build_real_vlm())
@@ -324,14 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     # 12 caption shards (~147 samples each) beside 24 Austen shards (200 each): ~27 % of samples are captions.
     shards = {"train": [manifest["shards"]["captions-train"]["dir"]] * 6 + [manifest["shards"]["austen-train"]["dir"]],
               "val": manifest["shards"]["captions-val"]["dir"]}
-    dtype = getattr(torch, args.dtype)
-
-    def load_model():
-        return load_real_vlm(dtype=dtype)[0].to(args.device).eval()
-
-    model, processor = load_real_vlm(dtype=dtype)
-    model = model.to(args.device).eval()
-    data = build_eval_set(processor, manifest, args)
+    model, processor, data, load_model = load_for_measuring(args, manifest)
     runs = Path(args.runs)
     key = search_key(model, data.calibration)  # what the cached removal searches were run on
     removal_order = rank_blocks(model, data.calibration, runs, log, key=key)
@@ -369,12 +391,9 @@ def main(argv: list[str] | None = None) -> int:
     records, overhead = sweep(bench, args.targets, variants, args.speed_target, removal_order, joint_order, load_model, runs, log,
                               baseline_key={k: getattr(args, k) for k in eval_settings},
                               reuse_baselines=args.reuse_baselines, span_order=span_order)
-    import platform
-
     results = {
         "date": time.strftime("%Y-%m-%d"),
-        "machine": (f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}"
-                    + (f", GPU {torch.cuda.get_device_name()} ({args.dtype})" if args.device.startswith("cuda") else "")),
+        "machine": machine(args),
         "backbone": "SmolLM2-135M-Instruct + EfficientNet-Lite0 features + trained LLaVA projector (bench/real_vlm.py)",
         "base": base,
         **overhead,

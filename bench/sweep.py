@@ -310,65 +310,76 @@ def sweep(bench: Bench, targets: list[float], variants: list, speed_target: floa
           ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Every method at every target, one record each; plus the router overhead with skipping off
     (`router_overhead`: wall-clock ratio to the base; `router_time_share`: routing's share of a routed decode)."""
+    records: list[dict[str, Any]] = []
+    overhead: dict[str, Any] = {"router_overhead": None, "router_time_share": None}
+    for variant in variants:
+        records += measure_adapter(bench, variant.name, variant.policy, runs / variant.name / "adapter", targets,
+                                   speed_target, removal_order, load_model, log, overhead=overhead)
+    records += measure_baselines(bench, targets, speed_target, removal_order, joint_order, log, cache=runs / "baselines.json",
+                                 key=baseline_key or {}, reuse=reuse_baselines, span_order=span_order)
+    return records, overhead
+
+
+def measure_adapter(bench: Bench, name: str, policy: str, adapter_dir: Path, targets: list[float], speed_target: float,
+                    removal_order: list[int], load_model: Callable[[], Any], log: Callable[[str], None], *,
+                    overhead: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """One trained adapter folder (`save_pretrained`; a LoRA in its `lora/`) under `policy` at every target, as the
+    records `ours-<name>` (its routers with skipping off at target 0, then each target) and, for a LoRA-healed
+    static adapter, `ours-<name>-pruned` (the pruned release). `removal_order` ranks the blocks per-token policies
+    may skip (`cheapest_blocks`). When `overhead` is given and still unmeasured, the router overhead with skipping
+    off is measured on these routers (only on routers without a merged LoRA: the base must be the same model)."""
     from vlm_retrofit import RouterAdapter
     from vlm_retrofit.replacement import load_replacements
 
     model, data, records = bench.model, bench.data, []
-    overhead: dict[str, Any] = {"router_overhead": None, "router_time_share": None}
-    for variant in variants:
-        adapter_dir = runs / variant.name / "adapter"
-        lora_dir = adapter_dir / "lora"
-        target_model = model
-        if lora_dir.is_dir():
-            # As shipped: LoRA merged into a copy of the base (`merge --merge-lora`); references stay the base's.
-            from peft import PeftModel
+    lora_dir = adapter_dir / "lora"
+    target_model = model
+    if lora_dir.is_dir():
+        # As shipped: LoRA merged into a copy of the base (`merge --merge-lora`); references stay the base's.
+        from peft import PeftModel
 
-            target_model = PeftModel.from_pretrained(load_model(), lora_dir).merge_and_unload().eval()
-            bench.model = target_model
-        adapter = RouterAdapter.from_pretrained(target_model, adapter_dir)
-        replacement = load_replacements(adapter_dir)  # applied only where its layers are the ones removed
-        bench.base_method = adapter.disabled  # merged LoRA stays in it: speed ratios compare skipping alone
-        if overhead["router_overhead"] is None and target_model is model:
-            # Retrofit time ÷ base time with skipping off: routers attached vs disabled, measured alternately.
-            overhead["router_overhead"] = 1.0 / bench.speed_ratio(data.captions[0], nullmethod, rounds=6)
-            overhead["router_time_share"] = routing_share(model, adapter, data.captions[0], bench.pad, rounds=3)
-            # The cost scales with the number of routers: say whose routers these are.
-            overhead["router_overhead_measured_on"] = f"{variant.name} (block size {adapter.config.block_size})"
-        # Trained routers with skipping off: what the retrofit itself costs before any block is skipped.
-        records.append(_record(f"ours-{variant.name}", 0.0, bench.measure(nullmethod, speed=False), compute_saved=0.0))
-        log(f"ours-{variant.name} routers only: {records[-1]}")
-        ranked = cheapest_blocks(adapter, data, removal_order) if variant.policy != "static" else []
-        for target in targets:
-            candidates = candidates_at(adapter, ranked, target) if ranked else None
-            settings = calibrated_per_workload(adapter, data, target, variant.policy, bench.tolerance,
-                                               candidates=candidates, skip_image_positions=SKIP_IMAGE_POSITIONS)
-            methods, replaced = {}, False
-            for workload, chosen in settings.items():
-                methods[workload], replaced = with_replacement(
-                    lambda s=chosen: adapter.skipping(variant.policy, **s), target_model, adapter.spec, replacement,
-                    adapter.layout.layers_of_blocks(chosen.get("blocks", [])))
-            metrics = bench.measure(methods["captions"], text_method=methods["text"], speed=target == speed_target)
-            extra = {"replacement": True} if replaced else {}
-            if candidates is not None:
-                extra["candidate_blocks"] = candidates
-            if variant.policy != "static" and not SKIP_IMAGE_POSITIONS:
-                extra["image_positions"] = "run every block"
-            if settings["captions"] != settings["text"]:
-                extra["calibrated_on"] = "each workload's val batches"
-            records.append(_record(f"ours-{variant.name}", target, metrics, **extra))
-            log(f"ours-{variant.name} @ {target:.2f}: {records[-1]}")
-        order, layout, spec, router_config = adapter.removal_order, adapter.layout, adapter.spec, adapter.config
-        adapter.detach()
-        if variant.policy == "static" and target_model is not model:
-            records += measure_pruned(bench, f"ours-{variant.name}-pruned", order, layout, spec, router_config,
-                                      targets, speed_target, log, replacement=replacement)
-        bench.model = model
-        del target_model
+        target_model = PeftModel.from_pretrained(load_model(), lora_dir).merge_and_unload().eval()
+        bench.model = target_model
+    adapter = RouterAdapter.from_pretrained(target_model, adapter_dir)
+    replacement = load_replacements(adapter_dir)  # applied only where its layers are the ones removed
+    bench.base_method = adapter.disabled  # merged LoRA stays in it: speed ratios compare skipping alone
+    if overhead is not None and overhead["router_overhead"] is None and target_model is model:
+        # Retrofit time ÷ base time with skipping off: routers attached vs disabled, measured alternately.
+        overhead["router_overhead"] = 1.0 / bench.speed_ratio(data.captions[0], nullmethod, rounds=6)
+        overhead["router_time_share"] = routing_share(model, adapter, data.captions[0], bench.pad, rounds=3)
+        # The cost scales with the number of routers: say whose routers these are.
+        overhead["router_overhead_measured_on"] = f"{name} (block size {adapter.config.block_size})"
+    # Trained routers with skipping off: what the retrofit itself costs before any block is skipped.
+    records.append(_record(f"ours-{name}", 0.0, bench.measure(nullmethod, speed=False), compute_saved=0.0))
+    log(f"ours-{name} routers only: {records[-1]}")
+    ranked = cheapest_blocks(adapter, data, removal_order) if policy != "static" else []
+    for target in targets:
+        candidates = candidates_at(adapter, ranked, target) if ranked else None
+        settings = calibrated_per_workload(adapter, data, target, policy, bench.tolerance,
+                                           candidates=candidates, skip_image_positions=SKIP_IMAGE_POSITIONS)
+        methods, replaced = {}, False
+        for workload, chosen in settings.items():
+            methods[workload], replaced = with_replacement(
+                lambda s=chosen: adapter.skipping(policy, **s), target_model, adapter.spec, replacement,
+                adapter.layout.layers_of_blocks(chosen.get("blocks", [])))
+        metrics = bench.measure(methods["captions"], text_method=methods["text"], speed=target == speed_target)
+        extra = {"replacement": True} if replaced else {}
+        if candidates is not None:
+            extra["candidate_blocks"] = candidates
+        if policy != "static" and not SKIP_IMAGE_POSITIONS:
+            extra["image_positions"] = "run every block"
+        if settings["captions"] != settings["text"]:
+            extra["calibrated_on"] = "each workload's val batches"
+        records.append(_record(f"ours-{name}", target, metrics, **extra))
+        log(f"ours-{name} @ {target:.2f}: {records[-1]}")
+    order, layout, spec, router_config = adapter.removal_order, adapter.layout, adapter.spec, adapter.config
+    adapter.detach()
+    if policy == "static" and target_model is not model:
+        records += measure_pruned(bench, f"ours-{name}-pruned", order, layout, spec, router_config,
+                                  targets, speed_target, log, replacement=replacement)
+    bench.model = model
     bench.base_method = nullmethod
-
-    records += measure_baselines(bench, targets, speed_target, removal_order, joint_order, log, cache=runs / "baselines.json",
-                                 key=baseline_key or {}, reuse=reuse_baselines, span_order=span_order)
-    return records, overhead
+    return records
 
 
 def calibrated_per_workload(adapter, data: EvalSet, target: float, policy: str, tolerance: float, *,

@@ -390,3 +390,43 @@ def test_blocks_a_policy_was_trained_to_skip_come_first_among_its_candidates():
     assert cheapest_blocks(adapter, None, [1, 2, 3, 4]) == [1, 2, 3, 4]
     adapter.skip_candidates = [4, 2]
     assert cheapest_blocks(adapter, None, [1, 2, 3, 4]) == [2, 4, 1, 3]
+
+
+def _lora_adapter_folder(bench: Bench, folder: Path, removal_order: list[int]) -> None:
+    """A LoRA-healed static adapter as `fit` exports it: identity routers with a removal order, the LoRA in lora/."""
+    from peft import LoraConfig, get_peft_model
+
+    model, _ = tiny_vlm("llama", num_hidden_layers=6)  # the same seeded weights as the bench's model
+    peft_model = get_peft_model(model, LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"],
+                                                  init_lora_weights=False))  # random B: the LoRA changes the function
+    peft_model.save_pretrained(folder / "lora")
+    adapter = attach_routers(bench.model, RouterConfig(block_size=1))
+    adapter.removal_order = removal_order
+    adapter.save_pretrained(folder)
+    adapter.detach()
+
+
+def test_measure_adapter_measures_a_lora_healed_adapter_routed_and_pruned(tmp_path):
+    from bench.sweep import measure_adapter
+
+    bench = _bench()
+    base_model = bench.model
+    _lora_adapter_folder(bench, tmp_path / "adapter", [2, 3, 1, 4])
+    records = measure_adapter(bench, "x", "static", tmp_path / "adapter", [0.25], 0.25, [],
+                              lambda: tiny_vlm("llama", num_hidden_layers=6)[0].eval(), lambda message: None)
+    assert [(r["method"], r["target"]) for r in records] == [("ours-x", 0.0), ("ours-x", 0.25), ("ours-x-pruned", 0.25)]
+    routers_only, routed, pruned = records
+    assert routers_only["ppl_ratio"] != pytest.approx(1.0)  # the LoRA was merged in: not the base's function
+    # Identity routers removing blocks compute what the pruned release computes: the same quality on every workload.
+    for key in QUALITY:
+        assert pruned[key] == pytest.approx(routed[key], abs=1e-4), key
+    assert pruned["settings"]["blocks"] == [2, 3] and pruned["decode_speedup_b1"] > 0
+    assert bench.model is base_model and bench.base_method is nullmethod  # the bench is left as it was found
+    assert not any(layer._forward_pre_hooks for layer in resolve(base_model).get_layers(base_model))
+
+
+def test_bench_measure_refuses_a_folder_without_an_adapter_before_loading_anything(tmp_path):
+    from bench.measure import main as measure_main
+
+    with pytest.raises(SystemExit, match="adapter_config.json"):
+        measure_main([str(tmp_path)])

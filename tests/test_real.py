@@ -143,7 +143,8 @@ def test_load_backbone_reads_the_cached_folder(real):
         torch.testing.assert_close(model(**inputs).logits, reference(**inputs).logits, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("config", ["smollm2-tuxpaint.yaml", "smollm2-tuxpaint-routers.yaml"])
+@pytest.mark.parametrize("config", ["smollm2-tuxpaint.yaml", "smollm2-tuxpaint-long.yaml",
+                                    "smollm2-tuxpaint-routers.yaml"])
 def test_real_config_fits_with_fast_dev_run(real, config, tmp_path, monkeypatch):
     """configs/smollm2-tuxpaint*.yaml (`make demo` trains the first) run one step on the real VLM and its shards."""
     from bench.data import write_bench_shards

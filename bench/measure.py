@@ -1,0 +1,83 @@
+"""`python -m bench.measure ADAPTER`: one trained adapter on the benchmark's test workloads, beside the base, in one run."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .run import RUNS, add_eval_arguments, load_for_measuring, machine
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of `python -m bench.measure`; the evaluation settings default to `make bench`'s, so its
+    records compare with bench/results.json's rows (same test images, text chunks and calibration batches)."""
+    parser = argparse.ArgumentParser(prog="python -m bench.measure", description=__doc__)
+    parser.add_argument("adapter", help="an adapter folder (`fit` exports one to <default_root_dir>/adapter; a "
+                                        "LoRA in its lora/ is merged into a copy of the base, as the benchmark does)")
+    parser.add_argument("--name", default=None, help="the record's method name (default: the adapter's parent folder)")
+    parser.add_argument("--policy", default="static", choices=["static", "gate", "recent_weight"],
+                        help="the skip policy it is measured with (static: a prefix of its trained removal order, "
+                             "and the pruned release for a LoRA-healed adapter)")
+    add_eval_arguments(parser, targets=[0.2])
+    parser.add_argument("--runs", default=str(RUNS),
+                        help="where the benchmark caches its removal searches (per-token policies rank blocks there)")
+    parser.add_argument("--out", default=None, help="JSON file for the records (default: ADAPTER/../measure.json)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    adapter_dir = Path(args.adapter)
+    if not (adapter_dir / "adapter_config.json").is_file():  # refused before the minutes of loading and base outputs
+        raise SystemExit(f"bench.measure: {adapter_dir} holds no adapter_config.json; pass the folder `fit` exported "
+                         "(<default_root_dir>/adapter) or one written by `RouterAdapter.save_pretrained`")
+    name = args.name or adapter_dir.resolve().parent.name
+    out = Path(args.out) if args.out else adapter_dir.resolve().parent / "measure.json"
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    torch.manual_seed(0)
+    started = time.time()
+
+    def log(message: str) -> None:
+        print(f"[{time.time() - started:7.1f}s] {message}", flush=True)
+
+    from . import efficientnet_tower  # noqa: F401  registers the vision tower's config before any loading
+    from .data import write_bench_shards
+    from .real_vlm import build_real_vlm
+    from .sweep import Bench, measure_adapter, rank_blocks
+
+    manifest = write_bench_shards()
+    args.backbone, args.replacement_batches = str(build_real_vlm()), 0  # the linear replacement is not measured here
+    model, processor, data, load_model = load_for_measuring(args, manifest)
+    bench = Bench(model, processor, data, args.new_tokens)
+    base = bench.measure_base()
+    log(f"base: {base}")
+    order = rank_blocks(model, data.calibration, Path(args.runs), log) if args.policy != "static" else []
+    records = measure_adapter(bench, name, args.policy, adapter_dir, args.targets, args.speed_target, order,
+                              load_model, log)
+    config = json.loads((adapter_dir / "adapter_config.json").read_text())
+    results: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": machine(args),
+        "adapter": str(adapter_dir), "adapter_config": config,
+        "base": base, "settings": {k: v for k, v in vars(args).items() if k not in ("adapter", "out")},
+        "records": records, "seconds": round(time.time() - started, 1),
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2, default=str) + "\n")
+    for record in records:
+        log(" ".join(f"{k}={record[k]:.3f}" if isinstance(record.get(k), float) else f"{k}={record.get(k)}"
+                     for k in ("method", "target", "ppl_ratio", "agreement", "kl", "rouge_l_ratio",
+                               "decode_speedup_b1", "decode_speedup_b8") if k in record))
+    log(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
