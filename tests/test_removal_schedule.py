@@ -4,7 +4,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from vlm_retrofit import RouterAdapter, RouterConfig, attach_routers, calibrate
+from vlm_retrofit import AdapterMismatchError, RouterAdapter, RouterConfig, attach_routers, calibrate
 from vlm_retrofit.skipping import best_removal_span, greedy_removal_order, removal_impact
 from vlm_retrofit.testing import tiny_inputs, tiny_vlm
 from vlm_retrofit.training import FixedBatchDataModule, RetrofitModule
@@ -224,7 +224,17 @@ def test_impact_order_is_found_trained_saved_and_restored(tmp_path):
     resumed = RetrofitModule(backbone="tiny:llama", backbone_kwargs=LAYERS, removal_order="impact",
                              max_removed_blocks=2)
     resumed.on_load_checkpoint(checkpoint)
-    assert resumed.adapter.removal_order == order
+    assert resumed.adapter.removal_order == order and resumed.adapter.removal_range == (0, 2)
+    # Resumed under another schedule, the record spans what both trained; one with a gap between them is refused.
+    wider = RetrofitModule(backbone="tiny:llama", backbone_kwargs=LAYERS, removal_order="impact",
+                           max_removed_blocks=3, min_removed_blocks=3)
+    with pytest.warns(UserWarning, match="records 0..3 as trained"):
+        wider.on_load_checkpoint(checkpoint)
+    assert wider.adapter.removal_range == (0, 3)
+    apart = RetrofitModule(backbone="tiny:llama", backbone_kwargs=LAYERS, removal_order="impact",
+                           max_removed_blocks=4, min_removed_blocks=4)
+    with pytest.raises(AdapterMismatchError, match="0..2 blocks and this run's .* say 4..4"):
+        apart.on_load_checkpoint(checkpoint)
     # So does a checkpoint loaded for calibrate / merge (no Lightning): static calibration and pruning take its prefix.
     from vlm_retrofit.release import load_checkpoint
 

@@ -354,6 +354,8 @@ def test_calibration_can_keep_image_positions_from_skipping(policy):
             model(**batch)
     assert report.skipped_text_layer_fraction == pytest.approx(result.achieved_saving, abs=1e-6)
     assert abs(result.achieved_saving - 0.25) <= 0.03, result.summary()
+    assert result.skip_rates == pytest.approx(report.text_skip_rates)  # per block, counted where the target is
+    assert report._layer_weighted(result.skip_rates) == pytest.approx(result.achieved_saving)
     image_decided = [t - text for t, text in zip(report.block_tokens, report.block_text_tokens)]
     image_skipped = [s - text for s, text in zip(report.block_skipped_tokens, report.block_text_skipped_tokens)]
     assert all(image_decided[b] > 0 for b in adapter.layout.skippable_blocks) and image_skipped == [0] * 8

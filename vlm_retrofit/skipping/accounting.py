@@ -159,6 +159,11 @@ class SkipReport:
         return [s / t if t else 0.0 for s, t in zip(self.block_skipped_tokens, self.block_tokens)]
 
     @property
+    def text_skip_rates(self) -> list[float]:
+        """`skip_rates` over real text tokens only (visual placeholders left out)."""
+        return [s / t if t else 0.0 for s, t in zip(self.block_text_skipped_tokens, self.block_text_tokens)]
+
+    @property
     def skipped_layer_fraction(self) -> float:
         """Token-level fraction of decoder-layer executions skipped: what batch-1 decoding would save
         before kv-only costs. `compute_saved` is lower in batches, where only steps that all rows skip save."""
@@ -168,8 +173,7 @@ class SkipReport:
     def skipped_text_layer_fraction(self) -> float:
         """`skipped_layer_fraction` over real text tokens only (visual placeholders left out): decode steps hold
         text tokens only, so this is what a decode skips when image positions skip otherwise than text."""
-        rates = [s / t if t else 0.0 for s, t in zip(self.block_text_skipped_tokens, self.block_text_tokens)]
-        return self._layer_weighted(rates)
+        return self._layer_weighted(self.text_skip_rates)
 
     def _layer_weighted(self, rates: list[float]) -> float:
         layers = sum(self.block_layers)
@@ -188,6 +192,7 @@ class SkipReport:
             "executed_flops": self.executed_flops,
             "full_flops": self.full_flops,
             "skip_rates": self.skip_rates,
+            "text_skip_rates": self.text_skip_rates,
             "skipped_layer_fraction": self.skipped_layer_fraction,
             "skipped_text_layer_fraction": self.skipped_text_layer_fraction,
             "layer_calls": dict(self.layer_calls),

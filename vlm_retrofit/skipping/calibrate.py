@@ -26,6 +26,7 @@ class CalibrationResult:
     settings: dict[str, Any]
     achieved_saving: float
     skip_rates: list[float] = field(default_factory=list)
+    """Per block, the fraction of the counted positions (`counted_on`) that skipped it on the calibration data."""
     counted_on: str = "real positions"
     """Where the saving is counted: "real positions" (no padding) or "text positions" (image placeholders kept from
     skipping are left out too)."""
@@ -299,6 +300,9 @@ def calibrate(adapter: RouterAdapter, batches: Iterable[Mapping[str, Any]], targ
 
     def realised(report) -> float:
         return report.skipped_layer_fraction if skip_image_positions else report.skipped_text_layer_fraction
+
+    def rates(report) -> list[float]:  # counted where `realised` counts
+        return report.skip_rates if skip_image_positions else report.text_skip_rates
     skippable_layers = sum(len(layout.layers_of_block(b)) for b in pool)
     reachable = skippable_layers / layout.num_layers
     if not 0 < target_saving <= reachable:
@@ -334,7 +338,7 @@ def calibrate(adapter: RouterAdapter, batches: Iterable[Mapping[str, Any]], targ
 
     controller = _run(adapter, batches, POLICIES[policy](**settings))
     result = CalibrationResult(policy, float(target_saving), settings, realised(controller.report),
-                               controller.report.skip_rates, "real positions" if skip_image_positions else "text positions")
+                               rates(controller.report), "real positions" if skip_image_positions else "text positions")
     if store:
         adapter.calibration.setdefault(policy, {})[f"{float(target_saving):.4f}"] = settings
     return result

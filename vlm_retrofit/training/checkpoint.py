@@ -70,6 +70,27 @@ def check_checkpoint(module: "RetrofitModule", checkpoint: dict[str, Any]) -> di
     return meta
 
 
+def resumed_removal_range(saved: tuple[int, int], now: tuple[int, int] | None) -> tuple[int, int]:
+    """The removal counts a run resumed from a checkpoint has trained: the checkpoint's `saved` range (min, max
+    removed blocks) and this run's `now` (None: this run removes nothing, so the saved range stands). A different
+    range is recorded as the span of both and warned about; two ranges with a gap between them are refused, since
+    one range would claim the counts in the gap, which neither run trained (a pruned release of them would pass
+    `untrained_removal`)."""
+    if now is None or tuple(now) == tuple(saved):
+        return tuple(saved)
+    low, high = sorted([tuple(saved), tuple(now)])
+    if high[0] > low[1] + 1:
+        raise AdapterMismatchError(
+            f"this checkpoint trained removals of {saved[0]}..{saved[1]} blocks and this run's min_removed_blocks / "
+            f"max_removed_blocks say {now[0]}..{now[1]}: no range records both, and a release pruning a count between "
+            "them would pass as trained. Resume with a schedule that overlaps or adjoins the checkpoint's, or start a "
+            "new run (fit without --ckpt_path)")
+    merged = (min(saved[0], now[0]), max(saved[1], now[1]))
+    rank_zero_warn(f"resuming with removal schedule {now[0]}..{now[1]} blocks over a checkpoint trained on "
+                   f"{saved[0]}..{saved[1]}: the adapter records {merged[0]}..{merged[1]} as trained")
+    return merged
+
+
 def inspect_checkpoint(path: str | Path) -> dict[str, Any]:
     """The vlm_retrofit section of a checkpoint plus its trainable tensor names, sizes and the file size."""
     path = Path(path)

@@ -23,7 +23,7 @@ from ..routing import RouterConfig, attach_routers
 from ..backbones.loading import load_backbone
 from ..pruning import layers_removed
 from ..replacement import fit_replacements, output_projection, replacements_applied, save_replacements
-from .checkpoint import CHECKPOINT_KEY, check_checkpoint, checkpoint_metadata
+from .checkpoint import CHECKPOINT_KEY, check_checkpoint, checkpoint_metadata, resumed_removal_range
 from .losses import (PENALTIES, compute_penalty, distillation_kl, drop_rate_at, hidden_state_distillation,
                      routing_entropies)
 from .optim import SCHEDULES, base_lr, build_optimizer, lr_lambda
@@ -663,6 +663,8 @@ class RetrofitModule(pl.LightningModule):
         meta = check_checkpoint(self, checkpoint)  # refuses a mismatched checkpoint before anything is loaded
         if meta.get("removal_order") is not None:
             self._set_removal_order(meta["removal_order"])  # a resumed run keeps the schedule it started with
+        if meta.get("removal_range") is not None:  # what it trained so far counts, with what this run trains
+            self.adapter.removal_range = resumed_removal_range(tuple(meta["removal_range"]), self.adapter.removal_range)
         if meta.get("skip_candidates") is not None:
             self.adapter.skip_candidates = list(meta["skip_candidates"])  # and the blocks it samples
         if meta.get("skip_image_positions") is not None:  # and whether image positions may skip
