@@ -38,6 +38,9 @@ class Variant:
     joint_order: bool = False
     """Static variants: remove blocks in greedy *joint* removal order (each pick the cheapest given the earlier
     ones) instead of by single-block impact."""
+    elastic_removal: bool = False
+    """Static variants: train every removal count from the smallest target's to the largest's (k uniform per step)
+    instead of the speed target's only, so that one LoRA serves every target (`merge --prune-target` accepts each)."""
     span_order: bool = False
     """Static variants: remove the cheapest run of adjacent blocks at the speed target (`span_removal_order`),
     then greedy joint removal from it."""
@@ -103,6 +106,12 @@ VARIANTS = {
     "lora_mlp_span": Variant("lora_mlp_span", "static", {"block_size": 1},
                              {**ROUTED, "lora": LORA_ALL, "train_routers": False, "lora_b_lr_scale": 4.0},
                              fixed_removal=True, span_order=True, steps=240),
+    # The same recipe trained on every removal count the targets take (3..9 layers of the span order for 10-30 %),
+    # so that one LoRA serves every target. Probed by hand with `bench.measure` (240 steps, test): x1.035 / x1.118 /
+    # x1.380 at 10 / 20 / 30 %, against x1.170 / x1.122 / x1.691 for `lora_mlp_span` trained at 20 % only.
+    "lora_mlp_span_elastic": Variant("lora_mlp_span_elastic", "static", {"block_size": 1},
+                                     {**ROUTED, "lora": LORA_ALL, "train_routers": False, "lora_b_lr_scale": 4.0},
+                                     elastic_removal=True, span_order=True, steps=240),
     # Per-token policies: learned gates pulled to a compute target, and the ReSkip recent-weight rule under a
     # drop-rate curriculum; same query lr and KL positions as the routed variants.
     "gate": Variant("gate", "gate", {"block_size": 1, "skip_gate": True}, GATES),
@@ -129,15 +138,18 @@ def selected_variants(names: list[str], train_steps: int | None = None) -> list[
 
 
 def removal_settings(variant: Variant, orders: dict[str, list[int]], max_removed_blocks: int,
-                     speed_removed_blocks: int) -> dict[str, Any]:
+                     speed_removed_blocks: int, min_target_blocks: int = 0) -> dict[str, Any]:
     """What a static variant trains without: its removal order (`orders`: "impact", "joint", "span") and how
-    many of its blocks a step removes (empty for the other policies)."""
+    many of its blocks a step removes (empty for the other policies): the speed target's count (`fixed_removal`),
+    the smallest target's to the largest's (`elastic_removal`), else 0 to the largest target's."""
     if variant.policy != "static":
         return {}
-    removed = speed_removed_blocks if variant.fixed_removal else max_removed_blocks
     order = orders["span" if variant.span_order else "joint" if variant.joint_order else "impact"]
-    return {"removal_order": list(order), "max_removed_blocks": removed,
-            "min_removed_blocks": removed if variant.fixed_removal else 0}
+    if variant.fixed_removal:
+        fewest = most = speed_removed_blocks
+    else:
+        fewest, most = (min_target_blocks if variant.elastic_removal else 0), max_removed_blocks
+    return {"removal_order": list(order), "max_removed_blocks": most, "min_removed_blocks": fewest}
 
 
 # What a compute target counts in training (`SkipSimulation.counted_positions`); gates trained before counted
@@ -295,7 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__)
     parser.add_argument("--variants", nargs="+",
                         default=["routed_static", "routed_static_lora_mlp_joint", "lora_mlp_joint_plain", "lora_mlp_span",
-                                 "gate", "gate_b3", "gate_b3_candidates", "recent_weight"],
+                                 "lora_mlp_span_elastic", "gate", "gate_b3", "gate_b3_candidates", "recent_weight"],
                         choices=sorted(VARIANTS))
     parser.add_argument("--train-minutes", type=float, default=20.0, help="distillation budget per variant (wall clock)")
     parser.add_argument("--train-steps", type=int, default=None,
@@ -361,12 +373,14 @@ def main(argv: list[str] | None = None) -> int:
     num_layers = model.config.get_text_config().num_hidden_layers
     max_removed_blocks = min(len(removal_order), math.ceil(max(args.targets) * num_layers - 1e-9))
     speed_removed_blocks = min(len(removal_order), math.ceil(args.speed_target * num_layers - 1e-9))
+    min_target_blocks = min(len(removal_order), math.ceil(min(args.targets) * num_layers - 1e-9))
     joint_order = joint_removal_order(model, data.calibration, removal_order, max_removed_blocks, runs, log, key=key)
     span_order = span_removal_order(model, data.calibration, removal_order, speed_removed_blocks, max_removed_blocks,
                                     runs, log, key=key)
     variants = selected_variants(args.variants, args.train_steps)
     orders = {"impact": removal_order, "joint": joint_order, "span": span_order}
-    removals = {v.name: removal_settings(v, orders, max_removed_blocks, speed_removed_blocks) for v in variants}
+    removals = {v.name: removal_settings(v, orders, max_removed_blocks, speed_removed_blocks, min_target_blocks)
+                for v in variants}
     stale = stale_runs(variants, runs, {v.name: training_key(v, removals[v.name]) for v in variants})
     if stale:  # refused before any work: reusing them would mislabel rows
         raise SystemExit("trained adapters that do not match this run's training (delete them to retrain):\n  "

@@ -245,6 +245,8 @@ def test_adapters_trained_otherwise_are_found_before_any_work(tmp_path):
     assert expected["lora_mlp_joint_plain"] == {"removal_order": [3, 1, 2], "max_removed_blocks": 2, "min_removed_blocks": 2}
     assert expected["lora_mlp_span"]["removal_order"] == [2, 3, 1]
     assert expected["routed_static"] == {"removal_order": [1, 2, 3], "max_removed_blocks": 3, "min_removed_blocks": 0}
+    elastic = removal_settings(VARIANTS["lora_mlp_span_elastic"], orders, 3, 2, min_target_blocks=1)
+    assert elastic == {"removal_order": [2, 3, 1], "max_removed_blocks": 3, "min_removed_blocks": 1}  # every target's
     for variant in variants:  # as train_variant records them
         (tmp_path / variant.name).mkdir()
         info = {"steps": 3, "removal_order": None, **expected[variant.name]}
