@@ -107,8 +107,8 @@ VARIANTS = {
                              {**ROUTED, "lora": LORA_ALL, "train_routers": False, "lora_b_lr_scale": 4.0},
                              fixed_removal=True, span_order=True, steps=240),
     # The same recipe trained on every removal count the targets take (3..9 layers of the span order for 10-30 %),
-    # so that one LoRA serves every target. Probed by hand with `bench.measure` (240 steps, test): x1.035 / x1.118 /
-    # x1.380 at 10 / 20 / 30 %, against x1.170 / x1.122 / x1.691 for `lora_mlp_span` trained at 20 % only.
+    # so that one LoRA serves every target. Probed with `bench.measure` (240 steps each, test text, one build): x1.035 /
+    # x1.118 / x1.380 at 10 / 20 / 30 %, against x1.173 / x1.126 / x1.704 for the same recipe trained at 20 % only.
     "lora_mlp_span_elastic": Variant("lora_mlp_span_elastic", "static", {"block_size": 1},
                                      {**ROUTED, "lora": LORA_ALL, "train_routers": False, "lora_b_lr_scale": 4.0},
                                      elastic_removal=True, span_order=True, steps=240),
