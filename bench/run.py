@@ -297,7 +297,7 @@ def add_eval_arguments(parser: argparse.ArgumentParser, targets: list[float]) ->
     parser.add_argument("--text-chunks", type=int, default=8, help="held-out Austen chunks for perplexity")
     parser.add_argument("--chunk-tokens", type=int, default=256)
     parser.add_argument("--calibration-batches", type=int, default=2, help="per modality, from the val splits")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda (training and every measurement)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (every measurement, and bench.run's training)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                         help="dtype of the frozen weights (routers stay fp32)")
 

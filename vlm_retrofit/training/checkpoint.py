@@ -76,9 +76,9 @@ def resumed_removal_range(saved: tuple[int, int], now: tuple[int, int] | None) -
     range is recorded as the span of both and warned about; two ranges with a gap between them are refused, since
     one range would claim the counts in the gap, which neither run trained (a pruned release of them would pass
     `untrained_removal`)."""
-    if now is None or tuple(now) == tuple(saved):
-        return tuple(saved)
-    low, high = sorted([tuple(saved), tuple(now)])
+    if now is None or now == saved:
+        return saved
+    low, high = sorted([saved, now])
     if high[0] > low[1] + 1:
         raise AdapterMismatchError(
             f"this checkpoint trained removals of {saved[0]}..{saved[1]} blocks and this run's min_removed_blocks / "
