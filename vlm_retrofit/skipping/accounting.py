@@ -1,4 +1,4 @@
-"""SkipReport: decoder-block compute counted from what actually ran (kv-only cost and context length included)."""
+"""SkipReport: decoder-block compute counted from what actually ran (kv-only cost, context length and sliding windows included)."""
 
 from __future__ import annotations
 
@@ -16,9 +16,12 @@ class LayerCost:
     head_dim: int
     intermediate_size: int
     mlp_matrices: int = 3  # gated MLP: gate, up, down
+    sliding_window: int | None = None
+    """Keys a query attends to at most (itself included), as HF's sliding-window mask; None: the whole context."""
 
     @classmethod
-    def from_config(cls, text_config: Any) -> "LayerCost":
+    def from_config(cls, text_config: Any, layer: int | None = None) -> "LayerCost":
+        """The cost of decoder layer `layer` (None: a full-attention layer, whatever the config's pattern)."""
         heads = int(text_config.num_attention_heads)
         head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // heads
         return cls(
@@ -27,7 +30,13 @@ class LayerCost:
             num_kv_heads=int(getattr(text_config, "num_key_value_heads", None) or heads),
             head_dim=int(head_dim),
             intermediate_size=int(text_config.intermediate_size),
+            sliding_window=None if layer is None else sliding_window_of(text_config, layer),
         )
+
+    @classmethod
+    def per_layer(cls, text_config: Any, num_layers: int) -> "list[LayerCost]":
+        """One cost per decoder layer: sliding-window layers attend over at most their window."""
+        return [cls.from_config(text_config, layer) for layer in range(num_layers)]
 
     @property
     def kv_projection(self) -> int:
@@ -43,7 +52,13 @@ class LayerCost:
     def attention(self, new_tokens: int, kv_length: int) -> int:
         """Scores and weighted values for `new_tokens` causal queries ending at a context of `kv_length`."""
         past = kv_length - new_tokens
-        attended = new_tokens * past + new_tokens * (new_tokens + 1) // 2
+        attended = new_tokens * past + new_tokens * (new_tokens + 1) // 2  # query at 0-based position p: p + 1 keys
+        window = self.sliding_window
+        if window is not None and kv_length > window:
+            # Queries past the first `window` positions attend to `window` keys each instead of p + 1.
+            first = max(past, window)  # the first query whose causal context exceeds the window
+            beyond = kv_length - first
+            attended -= beyond * (first + kv_length + 1) // 2 - beyond * window
         return 2 * 2 * self.num_heads * self.head_dim * attended
 
     def full(self, batch: int, new_tokens: int, kv_length: int) -> int:
@@ -51,6 +66,21 @@ class LayerCost:
 
     def kv_only(self, batch: int, new_tokens: int) -> int:
         return batch * new_tokens * self.kv_projection
+
+
+def sliding_window_of(text_config: Any, layer: int) -> int | None:
+    """The sliding window of decoder layer `layer`, as HF's attention masks apply it.
+
+    With `layer_types`, only "sliding_attention" layers slide (Gemma 2/3, Qwen2 with `use_sliding_window`);
+    without them, a set `sliding_window` applies to every layer (Mistral). Chunked attention counts as full.
+    """
+    window = getattr(text_config, "sliding_window", None)
+    if not window:
+        return None
+    layer_types = getattr(text_config, "layer_types", None)
+    if layer_types:
+        return int(window) if layer_types[layer] == "sliding_attention" else None
+    return int(window)
 
 
 @dataclass
@@ -75,7 +105,9 @@ class SkipReport:
     same with and without skipping). A layer counts as executed whenever it ran for any token of the step
     (mixed steps compute and select); a layer skipped by every token costs its kv-only cache write, and a
     layer a static policy removes for the whole context costs nothing (no token ever reads its cache).
-    Forwards run with the routers disabled (e.g. a distillation teacher) are not counted.
+    Forwards run with the routers disabled (e.g. a distillation teacher) are not counted. Each layer is costed
+    by its own `LayerCost`: a sliding-window layer attends over its window only, so at long contexts skipping a
+    full-attention layer saves more.
     """
 
     num_blocks: int

@@ -73,7 +73,8 @@ class SkipController:
             policy.validate(self.layout, adapter)
         self.report = SkipReport(num_blocks=self.layout.num_blocks, policy=getattr(policy, "name", ""),
                                  block_layers=[len(self.layout.layers_of_block(b)) for b in range(self.layout.num_blocks)])
-        self.cost = LayerCost.from_config(adapter.spec.get_text_config(adapter.model))
+        self.costs = LayerCost.per_layer(adapter.spec.get_text_config(adapter.model), self.layout.num_layers)
+        """One cost per decoder layer (sliding-window layers attend over their window only)."""
         self._skip: dict[int, Tensor | None] = {}
         self._none_ran: set[int] = set()
         """Blocks that every token skips in this forward (their delta is dropped from the stream)."""
@@ -84,7 +85,8 @@ class SkipController:
         self._used: Tensor | None = None
         # Only the layers of blocks the policy can skip go through the patched forward; the rest run untouched.
         self.patched_blocks = tuple(policy.may_skip(self.layout)) if policy is not None else self.layout.skippable_blocks
-        self._unpatched_layers = self.layout.num_layers - sum(len(self.layout.layers_of_block(b)) for b in self.patched_blocks)
+        patched_layers = {i for b in self.patched_blocks for i in self.layout.layers_of_block(b)}
+        self._unpatched_layers = [i for i in range(self.layout.num_layers) if i not in patched_layers]
         self._restore: list[tuple[nn.Module, Any]] = []
         self._started = 0.0
         self._image_ids = torch.tensor(sorted(adapter.spec.image_token_ids(unwrap_model(adapter.model).config)))
@@ -125,7 +127,7 @@ class SkipController:
             self._restore.append((top.register_forward_hook(self._forget_input_ids), None))
             for block in self.patched_blocks:
                 for index in self.layout.layers_of_block(block):
-                    self._patch(block, layers[index])
+                    self._patch(block, index, layers[index])
         except BaseException:
             self._unpatch()
             adapter._set_controller(None)
@@ -139,13 +141,13 @@ class SkipController:
         self.adapter._set_controller(None)
         self._skip.clear()
 
-    def _patch(self, block: int, layer: nn.Module) -> None:
+    def _patch(self, block: int, index: int, layer: nn.Module) -> None:
         original = layer.forward  # bound method of the class (or an earlier instance patch)
         had_instance_forward = "forward" in layer.__dict__
         parts = self.adapter.spec.attention_parts(layer)
 
         def forward(*args: Any, **kwargs: Any) -> Any:
-            return self._layer_forward(block, layer, parts, original, args, kwargs)
+            return self._layer_forward(block, index, layer, parts, original, args, kwargs)
 
         self._restore.append((layer, layer.__dict__["forward"] if had_instance_forward else None))
         layer.forward = forward
@@ -289,12 +291,13 @@ class SkipController:
         phase.forwards += 1
         phase.tokens += batch * new_tokens
         self.report.generated_tokens += batch  # each forward of generate yields one token per row
-        always = self.cost.full(batch, new_tokens, past + new_tokens) * self._unpatched_layers
+        always = sum(self.costs[i].full(batch, new_tokens, past + new_tokens) for i in self._unpatched_layers)
         phase.executed_flops += always
         phase.full_flops += always
 
     # -- the patched layer -----------------------------------------------------------------------------
-    def _layer_forward(self, block: int, layer: nn.Module, parts: Any, original: Callable, args: tuple, kwargs: dict) -> Any:
+    def _layer_forward(self, block: int, index: int, layer: nn.Module, parts: Any, original: Callable, args: tuple,
+                       kwargs: dict) -> Any:
         if not self.adapter.enabled:  # e.g. the distillation teacher: the plain layer, outside the report
             return original(*args, **kwargs)
         hidden = _hidden_of(args, kwargs)
@@ -303,7 +306,8 @@ class SkipController:
         batch, new_tokens = hidden.shape[0], hidden.shape[1]
         past = self._context_length
         is_prefill = past == 0
-        full = self.cost.full(batch, new_tokens, past + new_tokens)
+        cost = self.costs[index]
+        full = cost.full(batch, new_tokens, past + new_tokens)
         if block in self.cacheless_blocks:
             if not getattr(cache, "offloading", False):
                 _mark_cacheless(cache, parts.attention.layer_idx)
@@ -311,7 +315,7 @@ class SkipController:
                 return hidden
             # An offloading cache prefetches layer i + 1 when layer i writes: every layer keeps writing.
             kv_only(layer, parts, hidden, kwargs)
-            self.report.record_layer("kv_only", self.cost.kv_only(batch, new_tokens), full, is_prefill)
+            self.report.record_layer("kv_only", cost.kv_only(batch, new_tokens), full, is_prefill)
             return hidden
         if skip is None:
             self.report.record_layer("full", full, full, is_prefill)
@@ -319,7 +323,7 @@ class SkipController:
         if self.kv_only_when_all_skip and block in self._none_ran:  # every token skips: kv-only, nothing else
             kv_only(layer, parts, hidden, kwargs)
             kind = "kv_only" if cache is not None else "skipped"
-            executed = self.cost.kv_only(batch, new_tokens) if cache is not None else 0
+            executed = cost.kv_only(batch, new_tokens) if cache is not None else 0
             self.report.record_layer(kind, executed, full, is_prefill)
             return hidden
         self.report.record_layer("mixed", full, full, is_prefill)

@@ -1,0 +1,63 @@
+"""The per-layer cost model: sliding-window layers are counted over their window, as HF's masks apply it."""
+
+import pytest
+import torch
+from transformers import DynamicCache, LlamaConfig, MistralConfig
+
+from vlm_retrofit import RouterConfig, attach_routers
+from vlm_retrofit.skipping import LayerCost, PatternPolicy
+from vlm_retrofit.skipping.accounting import sliding_window_of
+from vlm_retrofit.testing import tiny_inputs, tiny_vlm
+
+
+def _attended_pairs(past: int, new_tokens: int, window: int | None) -> int:
+    """(query, key) pairs a causal, optionally sliding mask lets through, counted one by one."""
+    pairs = 0
+    for q in range(past, past + new_tokens):
+        for k in range(q + 1):
+            pairs += window is None or k > q - window  # transformers.masking_utils.sliding_window_overlay
+    return pairs
+
+
+@pytest.mark.parametrize("window", [None, 1, 4, 16])
+@pytest.mark.parametrize("past,new_tokens", [(0, 1), (0, 3), (0, 16), (0, 40), (5, 1), (15, 1), (16, 1), (30, 7), (2, 30)])
+def test_attention_flops_count_the_pairs_the_mask_lets_through(window, past, new_tokens):
+    cost = LayerCost(hidden_size=8, num_heads=2, num_kv_heads=1, head_dim=4, intermediate_size=16, sliding_window=window)
+    per_pair = 2 * 2 * 2 * 4
+    assert cost.attention(new_tokens, past + new_tokens) == per_pair * _attended_pairs(past, new_tokens, window)
+
+
+def test_each_layer_gets_the_window_its_family_applies():
+    gemma, _ = tiny_vlm("gemma3", num_hidden_layers=4)
+    text = gemma.config.text_config
+    assert [sliding_window_of(text, i) for i in range(4)] == [16, None, 16, None]  # layer_types alternate
+    mistral = MistralConfig(num_hidden_layers=3, sliding_window=32)  # no layer_types: every layer slides
+    assert [sliding_window_of(mistral, i) for i in range(3)] == [32, 32, 32]
+    assert [sliding_window_of(LlamaConfig(num_hidden_layers=2), i) for i in range(2)] == [None, None]
+    assert LayerCost.from_config(text).sliding_window is None  # no layer given: a full-attention layer
+
+
+def test_skip_report_counts_sliding_layers_over_their_window():
+    # gemma3 tiny: layers 0 and 2 slide over 16 keys, 1 and 3 attend to everything. A prompt longer than the
+    # window, then one decode step; block 2 (a sliding layer) is skipped by every token (kv-only).
+    model, processor = tiny_vlm("gemma3", num_hidden_layers=4)
+    adapter = attach_routers(model, RouterConfig())
+    text = model.config.text_config
+    inputs = tiny_inputs(processor, batch=1, with_image=False)
+    length = inputs["input_ids"].shape[1]
+    prompt = torch.cat([inputs["input_ids"]] * (40 // length + 1), dim=1)[:, :40]
+    sliding, full = LayerCost.from_config(text, 0), LayerCost.from_config(text, 1)
+    assert (sliding.sliding_window, full.sliding_window) == (16, None)
+    policy = PatternPolicy(lambda block, state: torch.ones(state.routed_input.shape[:-1], dtype=torch.bool) if block == 2 else None)
+    with torch.no_grad(), adapter.skipping(policy) as report:
+        cache = DynamicCache(config=text)
+        model(input_ids=prompt, cache=cache, use_cache=True)
+        model(input_ids=prompt[:, :1], cache=cache, use_cache=True)
+    per_pair = 2 * 2 * text.num_attention_heads * text.head_dim
+    prefill = {w: 40 * sliding.dense + per_pair * _attended_pairs(0, 40, w) for w in (16, None)}
+    decode = {w: sliding.dense + per_pair * _attended_pairs(40, 1, w) for w in (16, None)}
+    assert prefill[16] < prefill[None] and decode[16] < decode[None]
+    assert report.prefill.full_flops == 2 * prefill[16] + 2 * prefill[None]
+    assert report.prefill.executed_flops == prefill[16] + 2 * prefill[None] + 40 * sliding.kv_projection
+    assert report.decode.full_flops == 2 * decode[16] + 2 * decode[None]
+    assert report.decode.executed_flops == decode[16] + 2 * decode[None] + sliding.kv_projection
