@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from .run import RUNS, add_eval_arguments, load_for_measuring, machine
+from .run import RUNS, add_eval_arguments, load_for_measuring, machine, recorded_settings
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,8 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d"),
         "machine": machine(args),
-        "adapter": str(adapter_dir), "adapter_config": config,
-        "base": base, "settings": {k: v for k, v in vars(args).items() if k not in ("adapter", "out")},
+        "adapter": recorded_settings(args)["adapter"], "adapter_config": config,
+        "base": base, "settings": recorded_settings(args, leave_out=("adapter", "out")),
         "records": records, "seconds": round(time.time() - started, 1),
     }
     out.parent.mkdir(parents=True, exist_ok=True)

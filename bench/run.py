@@ -24,6 +24,22 @@ RUNS = CACHE / "runs"
 PROMPT = "Describe the image."
 
 
+def recorded_settings(args: argparse.Namespace, leave_out: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The command's settings as a results file records them: paths inside the repository relative to it, so a
+    record reads the same on every checkout (and names no machine's folders)."""
+    repo = ROOT.parent
+
+    def portable(value: Any) -> Any:
+        if isinstance(value, str) and os.path.isabs(value):
+            try:
+                return Path(value).resolve().relative_to(repo).as_posix()
+            except ValueError:  # outside the repository: kept as given
+                return value
+        return value
+
+    return {k: portable(v) for k, v in vars(args).items() if k not in leave_out}
+
+
 @dataclass
 class Variant:
     """One trained router adapter: how it is trained and which skip policy it is evaluated with."""
@@ -412,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
         "base": base,
         **overhead,
         "training": training,
-        "settings": {k: v for k, v in vars(args).items() if k not in ("out", "runs")},
+        "settings": recorded_settings(args, leave_out=("out", "runs")),
         "records": records,
         "seconds": round(time.time() - started, 1),
     }

@@ -432,3 +432,14 @@ def test_bench_measure_refuses_a_folder_without_an_adapter_before_loading_anythi
 
     with pytest.raises(SystemExit, match="adapter_config.json"):
         measure_main([str(tmp_path)])
+
+
+def test_recorded_settings_name_repository_paths_relative_to_it():
+    import argparse
+
+    from bench.run import ROOT, recorded_settings
+
+    args = argparse.Namespace(backbone=str(ROOT / ".cache" / "real_vlm"), runs=str(ROOT / ".cache" / "runs"),
+                              out="/somewhere/else", targets=[0.2], device="cpu")
+    settings = recorded_settings(args, leave_out=("runs",))
+    assert settings == {"backbone": "bench/.cache/real_vlm", "out": "/somewhere/else", "targets": [0.2], "device": "cpu"}
