@@ -106,6 +106,23 @@ def test_skip_rates_count_real_tokens_only_in_a_padded_batch():
     assert report.block_tokens[1] == int(real.sum()) + real.numel()
 
 
+
+def test_padding_decisions_hold_no_block_off_its_fast_paths():
+    # Padding positions are nobody's output: a block every real token skips takes the kv-only path whatever the
+    # padding decided, and a block only padding would skip runs in full, the same function at real positions.
+    model, processor, adapter = _model()
+    inputs = tiny_inputs(processor, batch=2)
+    real = inputs["attention_mask"].bool()
+    assert not real.all()
+    runs = {}
+    for name, masks in {"padding decides otherwise": {2: real, 3: ~real},
+                        "padding decides the same": {2: torch.ones_like(real), 3: torch.zeros_like(real)}}.items():
+        with torch.no_grad(), adapter.skipping(PatternPolicy(lambda block, state, m=masks: m.get(block))) as report:
+            runs[name] = model(**inputs).logits
+        assert report.layer_calls == {"full": 3, "mixed": 0, "kv_only": 1, "skipped": 0}, name
+        assert report.skip_rates[2] == 1.0 and report.skip_rates[3] == 0.0
+    torch.testing.assert_close(runs["padding decides otherwise"][real], runs["padding decides the same"][real])
+
 @pytest.mark.parametrize("removed", [False, True])
 def test_accounting_matches_a_hand_computed_case(removed):
     # llama tiny: d=64, 4 heads x 16, 2 kv heads, MLP 128; 4 layers, block 2 skipped by every token.

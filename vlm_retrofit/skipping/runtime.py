@@ -216,22 +216,22 @@ class SkipController:
             return
         skipped = self._record_decision(block, state, skip)
         # Settle "nobody skips" and "everybody skips" once per block: the layer and the stream take fast paths.
+        # Only real tokens decide: a padding position's output is nobody's (attention masks its K/V, which the
+        # kv-only path still writes), so its decision must not hold a batch off either path.
         if skipped == 0:
             skip = None
-        elif skipped == skip.numel():
+        elif skipped == self._real_tokens:
             self._none_ran.add(block)
         self._skip[block] = skip
 
-    def _read_skip_counts(self, skip: Tensor, state: Any) -> tuple[int, int, int]:
-        """(tokens skipping, real tokens skipping, real text tokens skipping) of one block's decision, in one read
-        from the device.
+    def _read_skip_counts(self, skip: Tensor, state: Any) -> tuple[int, int]:
+        """(real tokens skipping, real text tokens skipping) of one block's decision, in one read from the device.
 
         On CUDA every read waits for the GPU: the fast paths' any / all, the report's counts and the forward's
         token counts come back together instead of one wait each.
         """
         real, text = state.token_is_real, self._text_positions
-        counts = {"all": skip.sum()}
-        counts["real"] = (skip & real).sum() if real is not None else counts["all"]
+        counts = {"real": (skip & real).sum() if real is not None else skip.sum()}
         counts["text"] = (skip & text).sum() if text is not None else counts["real"]
         if self._real_tokens is None:
             if real is not None:
@@ -242,16 +242,16 @@ class SkipController:
         if self._real_tokens is None:
             self._real_tokens = values.get("real_tokens", skip.numel())
             self._text_tokens = values.get("text_tokens", self._real_tokens)
-        return values["all"], values["real"], values["text"]
+        return values["real"], values["text"]
 
     def _record_decision(self, block: int, state: Any, skip: Tensor | None, *, everyone: bool = False) -> int:
         """Skip rates count real tokens only: padding positions are computed but are nobody's output (and apart,
-        real text tokens). Returns how many tokens, padding included, skip (`skip` None: none, or all with
-        `everyone`, which the caller knows)."""
+        real text tokens). Returns how many real tokens skip (`skip` None: none, or all with `everyone`, which the
+        caller knows)."""
         if skip is not None:
-            skipped, skipped_real, skipped_text = self._read_skip_counts(skip, state)
+            skipped_real, skipped_text = self._read_skip_counts(skip, state)
             self.report.record_decision(block, self._real_tokens, skipped_real, self._text_tokens, skipped_text)
-            return skipped
+            return skipped_real
         if self._real_tokens is None:  # once per forward: the same for every block
             real, text = state.token_is_real, self._text_positions
             self._real_tokens = int(real.sum()) if real is not None else state.routed_input.shape[:-1].numel()
