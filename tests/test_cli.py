@@ -50,6 +50,27 @@ def test_shipped_configs_include_tiny_and_real_backbone_templates():
             assert "NEEDS A DOWNLOAD" in text and "/" in backbone
 
 
+def _flattened(node, prefix=""):
+    if isinstance(node, dict):
+        return {k: v for key, value in node.items() for k, v in _flattened(value, f"{prefix}{key}.").items()}
+    if isinstance(node, list) and any(isinstance(item, dict) for item in node):
+        return {k: v for i, item in enumerate(node) for k, v in _flattened(item, f"{prefix}{i}.").items()}
+    return {prefix[:-1]: node}
+
+
+def test_the_long_recipe_is_the_demo_recipe_over_a_longer_schedule():
+    # jsonargparse cannot reach into the callbacks list from the command line, so the long recipe is a file of its
+    # own: this keeps a change to the demo's recipe from missing it.
+    demo, long = (_flattened(yaml.safe_load((CONFIGS[0].parent / name).read_text()))
+                  for name in ("smollm2-tuxpaint.yaml", "smollm2-tuxpaint-long.yaml"))
+    differing = {key for key in demo.keys() | long.keys() if demo.get(key) != long.get(key)}
+    schedule = {"model.torch_dtype", "data.init_args.train_samples_per_epoch", "trainer.max_steps",
+                "trainer.callbacks.1.init_args.every_n_train_steps"}
+    paths = {"trainer.default_root_dir", "trainer.logger.init_args.save_dir", "trainer.callbacks.1.init_args.dirpath"}
+    assert differing == schedule | paths
+    for key in paths:
+        assert long[key] == demo[key].replace("runs/smollm2-tuxpaint", "runs/smollm2-tuxpaint-long")
+
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c.name)
 def test_every_shipped_config_parses(config, capsys):
     printed = _printed_config(capsys, "--config", str(config))
