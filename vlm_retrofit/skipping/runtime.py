@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections import Counter
 from typing import Any, Callable
 
 import torch
@@ -86,7 +87,8 @@ class SkipController:
         # Only the layers of blocks the policy can skip go through the patched forward; the rest run untouched.
         self.patched_blocks = tuple(policy.may_skip(self.layout)) if policy is not None else self.layout.skippable_blocks
         patched_layers = {i for b in self.patched_blocks for i in self.layout.layers_of_block(b)}
-        self._unpatched_layers = [i for i in range(self.layout.num_layers) if i not in patched_layers]
+        # The unpatched layers' costs, counted by kind (full / sliding attention): summed once per forward at decode.
+        self._unpatched_costs = Counter(self.costs[i] for i in range(self.layout.num_layers) if i not in patched_layers)
         self._restore: list[tuple[nn.Module, Any]] = []
         self._started = 0.0
         self._image_ids = torch.tensor(sorted(adapter.spec.image_token_ids(unwrap_model(adapter.model).config)))
@@ -291,7 +293,7 @@ class SkipController:
         phase.forwards += 1
         phase.tokens += batch * new_tokens
         self.report.generated_tokens += batch  # each forward of generate yields one token per row
-        always = sum(self.costs[i].full(batch, new_tokens, past + new_tokens) for i in self._unpatched_layers)
+        always = sum(cost.full(batch, new_tokens, past + new_tokens) * n for cost, n in self._unpatched_costs.items())
         phase.executed_flops += always
         phase.full_flops += always
 
