@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from .run import RUNS, add_eval_arguments, load_for_measuring, machine, recorded_settings
+from .run import RUNS, add_eval_arguments, load_for_measuring, machine, recorded_settings, repository_path
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d"),
         "machine": machine(args),
-        "adapter": recorded_settings(args)["adapter"], "adapter_config": config,
+        "adapter": repository_path(args.adapter), "adapter_config": config,
         "base": base, "settings": recorded_settings(args, leave_out=("adapter", "out")),
         "records": records, "seconds": round(time.time() - started, 1),
     }

@@ -24,20 +24,20 @@ RUNS = CACHE / "runs"
 PROMPT = "Describe the image."
 
 
+def repository_path(value: Any) -> Any:
+    """An absolute path inside the repository as relative to it (a record then names no machine's folders);
+    anything else as given."""
+    if isinstance(value, str) and os.path.isabs(value):
+        try:
+            return Path(value).resolve().relative_to(ROOT.parent).as_posix()
+        except ValueError:  # outside the repository
+            return value
+    return value
+
+
 def recorded_settings(args: argparse.Namespace, leave_out: tuple[str, ...] = ()) -> dict[str, Any]:
-    """The command's settings as a results file records them: paths inside the repository relative to it, so a
-    record reads the same on every checkout (and names no machine's folders)."""
-    repo = ROOT.parent
-
-    def portable(value: Any) -> Any:
-        if isinstance(value, str) and os.path.isabs(value):
-            try:
-                return Path(value).resolve().relative_to(repo).as_posix()
-            except ValueError:  # outside the repository: kept as given
-                return value
-        return value
-
-    return {k: portable(v) for k, v in vars(args).items() if k not in leave_out}
+    """The command's settings as a results file records them (`repository_path` on each)."""
+    return {k: repository_path(v) for k, v in vars(args).items() if k not in leave_out}
 
 
 @dataclass
@@ -387,9 +387,12 @@ def main(argv: list[str] | None = None) -> int:
     removal_order = rank_blocks(model, data.calibration, runs, log, key=key)
     # The schedule covers every target: enough single-layer blocks to remove the largest target's share.
     num_layers = model.config.get_text_config().num_hidden_layers
-    max_removed_blocks = min(len(removal_order), math.ceil(max(args.targets) * num_layers - 1e-9))
-    speed_removed_blocks = min(len(removal_order), math.ceil(args.speed_target * num_layers - 1e-9))
-    min_target_blocks = min(len(removal_order), math.ceil(min(args.targets) * num_layers - 1e-9))
+
+    def removed_blocks(target: float) -> int:  # layers a static removal of `target` of the compute takes
+        return min(len(removal_order), math.ceil(target * num_layers - 1e-9))
+
+    max_removed_blocks, min_target_blocks = removed_blocks(max(args.targets)), removed_blocks(min(args.targets))
+    speed_removed_blocks = removed_blocks(args.speed_target)
     joint_order = joint_removal_order(model, data.calibration, removal_order, max_removed_blocks, runs, log, key=key)
     span_order = span_removal_order(model, data.calibration, removal_order, speed_removed_blocks, max_removed_blocks,
                                     runs, log, key=key)
