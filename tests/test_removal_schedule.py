@@ -61,6 +61,9 @@ def test_schedule_draws_prefixes_deterministically_and_validates():
     with pytest.raises(ValueError, match="min_removed_blocks"):
         RetrofitModule(backbone="tiny:llama", backbone_kwargs=LAYERS, removal_order=[1, 2], max_removed_blocks=1,
                        min_removed_blocks=2)
+    with pytest.raises(ValueError, match="skip_budget=1.0 lets a token skip 1 blocks, fewer than"):
+        RetrofitModule(backbone="tiny:llama", backbone_kwargs=LAYERS, removal_order=[1, 2], max_removed_blocks=2,
+                       skip_budget=1.0)  # the removed blocks count against the budget
 
 
 def test_schedule_with_a_floor_draws_only_prefixes_from_min_to_max():

@@ -194,6 +194,23 @@ def test_simulation_is_the_inference_skip_function_and_trains_the_gates():
     assert all(0 <= keep <= 1 for keep in simulation.realised_keep.values())
 
 
+def test_simulated_removed_blocks_count_against_the_budget_as_at_inference():
+    model, processor, adapter = _model()  # blocks 1-4 skippable
+    inputs = tiny_inputs(processor)
+    # Every sampled block drops nearly every token and block 4 is removed: a budget of 2 leaves one sampled skip
+    # per token, as a static policy's removed blocks use the budget at inference.
+    simulation = SkipSimulation(adapter, drop_rate=0.999, use_gates=False, budget=2, removed_blocks=[4],
+                                generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), simulation:
+        model(**inputs)
+        runs = {block: simulation.ran(block) for block in adapter.layout.skippable_blocks}
+    assert runs[4] is False  # removed: no token runs it
+    sampled_skips = sum((~runs[block]).int() for block in (1, 2, 3) if isinstance(runs[block], torch.Tensor))
+    assert int(sampled_skips.max()) == 1 and float((~runs[1]).float().mean()) > 0.9  # block 1 takes what is left
+    with pytest.raises(ValueError, match="smaller than the 2 removed blocks"):
+        SkipSimulation(adapter, budget=1, removed_blocks=[3, 4])
+
+
 def test_simulation_can_keep_image_positions_running():
     # As under a policy calibrated with skip_image_positions=False: image placeholders run every sampled block, and
     # their gates learn nothing from a decision that is not theirs.

@@ -68,7 +68,7 @@ class SkipController:
         self.adapter = adapter
         self.layout = adapter.layout
         self.policy = policy
-        self.budget = _resolve_budget(budget, len(self.layout.skippable_blocks))
+        self.budget = resolve_budget(budget, len(self.layout.skippable_blocks))
         self.skippable = frozenset(self.layout.skippable_blocks)
         if policy is not None:
             policy.validate(self.layout, adapter)
@@ -363,7 +363,7 @@ def _refuse_update(layer_idx: int) -> Callable[..., Any]:
     return update
 
 
-def _resolve_budget(budget: int | float | None, skippable: int) -> int | None:
+def resolve_budget(budget: int | float | None, skippable: int) -> int | None:
     """Per-token skip budget: an int is a number of blocks, a float in (0, 1) a fraction of the skippable ones."""
     if budget is None:
         return None

@@ -20,7 +20,7 @@ class SkipSimulation(SkipController):
     uses (invariant 2). With gates, `m = hard + p - p.detach()` carries the straight-through gradient to
     the gate; the skipped block's delta is absent from later routers just as at inference.
     `removed_blocks` are skipped by every token in this forward (a removal schedule: the routers learn to
-    re-weight around blocks a static policy will remove at inference).
+    re-weight around blocks a static policy will remove at inference); under a `budget` they use that much of it.
     `counted_positions` (bool [B, T], e.g. the real text positions) are the tokens whose compute the expected and
     realised keep rates average over; default every position. Counted over padding and image placeholders too,
     a compute target is met most cheaply by skipping those, which saves a decode nothing.
@@ -44,6 +44,14 @@ class SkipSimulation(SkipController):
         if not self.removed_blocks <= self.skippable:
             raise ValueError(f"removed_blocks {sorted(self.removed_blocks - self.skippable)} are not skippable; "
                              f"skippable blocks are {sorted(self.skippable)}")
+        if self.budget is not None:
+            # At inference a static policy's removed blocks count against the budget (every token skips them);
+            # here too: the sampled blocks get what is left of it.
+            if len(self.removed_blocks) > self.budget:
+                raise ValueError(f"skip budget {budget} ({self.budget} blocks per token) is smaller than the "
+                                 f"{len(self.removed_blocks)} removed blocks {sorted(self.removed_blocks)}: raise "
+                                 "the budget or remove fewer blocks")
+            self.budget -= len(self.removed_blocks)
         self.candidate_blocks = None if candidate_blocks is None else frozenset(int(b) for b in candidate_blocks)
         if self.candidate_blocks is not None and not self.candidate_blocks <= self.skippable:
             raise ValueError(f"candidate_blocks {sorted(self.candidate_blocks - self.skippable)} are not skippable; "

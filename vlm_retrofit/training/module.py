@@ -19,6 +19,7 @@ from torch import Tensor
 from ..batch import META_KEYS
 from ..skipping import SkipSimulation
 from ..skipping.calibrate import scored_positions
+from ..skipping.runtime import resolve_budget
 from ..routing import RouterConfig, attach_routers
 from ..backbones.loading import load_backbone
 from ..pruning import layers_removed
@@ -161,7 +162,8 @@ class RetrofitModule(pl.LightningModule):
             use_gates: sample run/skip from the learned gates (straight-through) when the router config has
                 `skip_gate: true`.
             skip_budget: per-token cap on skipped blocks in simulation (an int count or a fraction of the
-                skippable blocks); null = no cap.
+                skippable blocks); the removal schedule's blocks count against it, as a static policy's do at
+                inference; null = no cap.
             skip_candidates: the only blocks simulated per-token skipping (drop rate, gates) samples: a count = the
                 first blocks of `removal_order` when there is one, else the cheapest by single-block removal
                 impact on the first training batch; or a list of blocks; null = every skippable block.
@@ -289,6 +291,11 @@ class RetrofitModule(pl.LightningModule):
         self.adapter.skip_image_positions = bool(skip_image_positions)
         if max_removed_blocks:  # what the schedule removes, so a release of another removal can be refused
             self.adapter.removal_range = (int(min_removed_blocks), int(max_removed_blocks))
+            budget = resolve_budget(skip_budget, len(self.adapter.layout.skippable_blocks))
+            if budget is not None and budget < max_removed_blocks:  # the removed blocks count against it
+                raise ValueError(f"skip_budget={skip_budget} lets a token skip {budget} blocks, fewer than the "
+                                 f"max_removed_blocks={max_removed_blocks} every token skips: raise skip_budget or "
+                                 "lower max_removed_blocks")
         self.strict_loading = False  # checkpoints hold trainable state only; on_load_checkpoint checks it all
         self.nonfinite_steps = 0
         self.nonfinite_streak = 0
