@@ -369,7 +369,8 @@ def main(argv: list[str] | None = None) -> int:
                        help="write a pruned release: delete the blocks the static policy removes at this target saving "
                             "(stored static calibration, else the trained removal order) from the weights, merge the "
                             "LoRA and drop the routers; a plain, shallower model with no runtime overhead (implies "
-                            "--full-weights and --merge-lora)")
+                            "--full-weights and --merge-lora). The target is a fraction of the decoder layers: with "
+                            "sliding-window layers the FLOPs it saves depend on the context length")
     prune.add_argument("--prune-blocks", type=lambda text: [int(b) for b in text.split(",")], default=None,
                        help="write a pruned release deleting these router blocks (comma-separated, e.g. 13,16,17)")
     parser.add_argument("--allow-untrained-removal", action="store_true",
