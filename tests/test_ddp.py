@@ -10,8 +10,8 @@ import torch
 from vlm_retrofit.training import RetrofitModule, inspect_checkpoint
 
 
-@pytest.mark.slow
-def test_two_process_ddp_on_cpu(tmp_path):
+def _fit_on_two_processes(tmp_path, *args: str) -> str:
+    """Run `fit` with Lightning's plain `ddp` (no find_unused_parameters) on 2 CPU processes; returns the output."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
            "PL_DISABLE_FORK": "1"}
     command = [
@@ -21,12 +21,17 @@ def test_two_process_ddp_on_cpu(tmp_path):
         "--trainer.limit_val_batches", "2", "--trainer.val_check_interval", "2",
         "--trainer.log_every_n_steps", "1",
         "--data.num_workers", "0", "--data.batch_size", "2", "--data.train_samples_per_epoch", "8",
-        "--data.data_dir", str(tmp_path / "shards"),
-        "--model.max_drop_rate", "0.3", "--model.drop_warmup_steps", "0",
+        "--data.data_dir", str(tmp_path / "shards"), *args,
     ]
     result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-4000:]
+    return output
+
+
+@pytest.mark.slow
+def test_two_process_ddp_on_cpu(tmp_path):
+    output = _fit_on_two_processes(tmp_path, "--model.max_drop_rate", "0.3", "--model.drop_warmup_steps", "0")
     assert "Starting with 2 processes" in output and "gloo" in output
     last = tmp_path / "runs" / "tiny" / "checkpoints" / "last.ckpt"
     info = inspect_checkpoint(last)
@@ -37,3 +42,17 @@ def test_two_process_ddp_on_cpu(tmp_path):
     assert any((state[k] - init[k]).abs().max() > 1e-4 for k in init)
     metrics = (tmp_path / "runs" / "tiny" / "logs" / "version_0" / "metrics.csv").read_text()
     assert "val/kl" in metrics and "train/keep_realised" in metrics, output[-3000:]  # validation ran on both ranks
+
+
+@pytest.mark.slow
+def test_ddp_trains_a_lora_healing_whose_removed_layers_get_no_gradient(tmp_path):
+    # The removed layers' LoRA (and the identity routers' blocks) take no part in a step's loss: plain `ddp`
+    # refuses a second step unless every trainable parameter is in the graph.
+    _fit_on_two_processes(tmp_path, "--model.train_routers", "false", "--model.max_drop_rate", "0",
+                          "--model.lora", '{"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}',
+                          "--model.removal_order", "[1, 2]", "--model.max_removed_blocks", "1",
+                          "--model.min_removed_blocks", "1")
+    last = tmp_path / "runs" / "tiny" / "checkpoints" / "last.ckpt"
+    assert inspect_checkpoint(last)["global_step"] == 4
+    state = torch.load(last, map_location="cpu", weights_only=True)["state_dict"]
+    assert state and all("lora_" in key for key in state)  # the LoRA is what trained

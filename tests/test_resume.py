@@ -112,6 +112,25 @@ def test_resume_continues_exactly(tmp_path, count_steps):
         torch.testing.assert_close(resumed[key], straight[key], atol=1e-5, rtol=0)
 
 
+def test_the_micro_batches_of_one_step_draw_their_own_masks(tmp_path, monkeypatch):
+    """Under gradient accumulation every training batch gets its own removal and skip-mask seed."""
+    seeds = []
+    original = RetrofitModule.compute_loss
+
+    def recorded(self, batch, *, drop_rate, seed, **kw):
+        seeds.append((self.global_step, seed))
+        return original(self, batch, drop_rate=drop_rate, seed=seed, **kw)
+
+    monkeypatch.setattr(RetrofitModule, "compute_loss", recorded)
+    assert _fit(tmp_path / "accumulated", "--trainer.accumulate_grad_batches", "2", steps=2) == 0
+    assert [step for step, _ in seeds] == [0, 0, 1, 1]
+    assert len({seed for _, seed in seeds}) == 4
+    seeds.clear()
+    assert _fit(tmp_path / "plain", steps=2) == 0  # without accumulation: one seed per optimizer step, as before
+    module = RetrofitModule(backbone="tiny:qwen2_vl")
+    assert [seed for _, seed in seeds] == [module._step_seed(0, 0), module._step_seed(1, 0)]
+
+
 def test_killed_run_resumes_from_its_last_checkpoint(tmp_path, monkeypatch, count_steps):
     assert _fit(tmp_path / "straight") == 0
 

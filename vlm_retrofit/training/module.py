@@ -460,6 +460,12 @@ class RetrofitModule(pl.LightningModule):
     def current_drop_rate(self) -> float:
         return drop_rate_at(self.global_step, self.hparams.max_drop_rate, self.hparams.drop_warmup_steps)
 
+    def _micro_batch(self, batch_idx: int) -> int:
+        """This training batch's index among all the run's (= global_step without gradient accumulation): the
+        micro-batches of one optimizer step draw their own removals and masks, and a resumed run the same ones."""
+        accumulate = int(self.trainer.accumulate_grad_batches) if self._trainer is not None else 1
+        return self.global_step * accumulate + batch_idx % accumulate
+
     def _step_seed(self, step: int, stage: int) -> int:
         rank = self.global_rank if self._trainer is not None else 0
         return (int(self.hparams.seed) * 1_000_003 + step * 7_919 + rank * 104_729 + stage * 15_485_863) % (2 ** 62)
@@ -592,7 +598,7 @@ class RetrofitModule(pl.LightningModule):
     # ------------------------------------------------------------------ Lightning hooks
     def training_step(self, batch: Mapping[str, Any], batch_idx: int) -> Tensor | None:
         drop_rate = self.current_drop_rate()
-        out = self.compute_loss(batch, drop_rate=drop_rate, seed=self._step_seed(self.global_step, 0))
+        out = self.compute_loss(batch, drop_rate=drop_rate, seed=self._step_seed(self._micro_batch(batch_idx), 0))
         finite = bool(torch.isfinite(out.loss.detach()).item())
         if self._trainer is not None:
             finite = self.trainer.strategy.reduce_boolean_decision(finite, all=True)  # every rank skips together
@@ -602,7 +608,17 @@ class RetrofitModule(pl.LightningModule):
         lr = self._current_lr()
         self._log_step("train", out, on_step=True,
                        extra={"drop_rate": drop_rate, "lr": lr, "nonfinite_steps": float(self.nonfinite_steps)})
+        if self._trainer is not None and self.trainer.world_size > 1:
+            return out.loss + self._zero_for_unused_parameters(out.loss)
         return out.loss
+
+    def _zero_for_unused_parameters(self, like: Tensor) -> Tensor:
+        """0 times every trainable parameter: puts them all in the graph.
+
+        DDP without find_unused_parameters (Lightning's `ddp`) needs a gradient for every trainable parameter on
+        every step, and a step leaves some without one: the LoRA of removed layers, the routers of bypassed
+        blocks, the gates of blocks not sampled. Here they get a zero gradient on every rank instead."""
+        return sum((p.sum() for p in self.parameters() if p.requires_grad), like.new_zeros(())) * 0.0
 
     def _skip_nonfinite(self, out: StepOutput) -> None:
         self.nonfinite_steps += 1
