@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -10,7 +11,7 @@ import torch
 
 from vlm_retrofit import AdapterMismatchError, get_adapter, load_release
 from vlm_retrofit.cli import main
-from vlm_retrofit.release import load_checkpoint, merge
+from vlm_retrofit.release import load_checkpoint, load_trained, merge
 from vlm_retrofit.testing import tiny_inputs
 
 from conftest import fit_config
@@ -99,6 +100,24 @@ def test_a_checkpoint_for_another_base_is_refused_naming_both(trained, tmp_path,
     assert not (tmp_path / "release").exists()
     assert main(["merge", "--ckpt", str(checkpoint), "--output", str(tmp_path / "r"), "--base", "tiny:qwen2_vl"]) == 1
     assert "merge refused" in capsys.readouterr().out and not (tmp_path / "r").exists()
+
+
+def test_remote_code_an_adapter_records_runs_only_when_the_caller_allows_it(trained, tmp_path, capsys):
+    # A downloaded adapter (or release) that records trust_remote_code must not turn it on by itself.
+    adapter = tmp_path / "adapter"
+    shutil.copytree(trained[1], adapter)
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    config["base_model"]["trust_remote_code"] = True
+    (adapter / "adapter_config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="trust_remote_code=True.*--trust-remote-code"):
+        load_trained(adapter)
+    assert main(["merge", "--ckpt", str(adapter), "--output", str(tmp_path / "refused")]) == 1
+    assert "merge refused" in capsys.readouterr().out and not (tmp_path / "refused").exists()
+    assert main(["merge", "--ckpt", str(adapter), "--output", str(tmp_path / "release"), "--trust-remote-code"]) == 0
+    with pytest.raises(ValueError, match="trust_remote_code"):
+        load_release(tmp_path / "release")  # the release records it too
+    model, _ = load_release(tmp_path / "release", trust_remote_code=True)
+    assert get_adapter(model) is not None
 
 
 def test_load_release_does_not_import_lightning(trained, tmp_path):

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from .release import Loaded, load_base_model, load_trained, summarize_pruning
+from .release import Loaded, add_trust_remote_code_flag, load_base_model, load_trained, summarize_pruning
 from .skipping import POLICIES, SkipController, calibrate
 
 
@@ -53,12 +53,13 @@ def calibrate_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=16, help="tokens generated to measure agreement")
     parser.add_argument("--output", default=None, help="adapter folder to write (default: the adapter itself; "
                                                        "for a checkpoint, <name>-adapter beside it)")
+    add_trust_remote_code_flag(parser)
     ns = parser.parse_args(argv)
     from .callbacks import compare_generation, generation_pad_id, prompts_from_batch
     from .datamodules import WebDatasetDataModule, model_inputs
 
     source = Path(ns.model)
-    loaded = load_trained(source, ns.base)
+    loaded = load_trained(source, ns.base, trust_remote_code=ns.trust_remote_code)
     if loaded.adapter is None:
         print(f"calibrate: {source} is a pruned release: its layers are deleted and it has no routers to calibrate; "
               "calibrate the adapter or checkpoint it was merged from")
@@ -161,13 +162,14 @@ def generate_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compare-base", action="store_true",
                         help="also load the unmodified base model: print its answer, the agreement with it and the "
                              "decode speed against it")
+    add_trust_remote_code_flag(parser)
     ns = parser.parse_args(argv)
     if ns.image is not None and not os.path.isfile(ns.image):
         print(f"generate: image {ns.image} does not exist")
         return 1
     from PIL import Image
 
-    loaded = load_trained(Path(ns.model), ns.base)
+    loaded = load_trained(Path(ns.model), ns.base, trust_remote_code=ns.trust_remote_code)
     image = Image.open(ns.image).convert("RGB") if ns.image else None
     try:
         inputs = chat_inputs(loaded.processor, ns.prompt, image)

@@ -45,28 +45,37 @@ class Loaded:
     """A linear replacement of removed layers (`vlm_retrofit.replacement`) and the layers it was fitted for."""
 
 
-def _load_kwargs(base_model: dict[str, Any]) -> dict[str, Any]:
+def _load_kwargs(base_model: dict[str, Any], source: str, trust_remote_code: bool) -> dict[str, Any]:
+    """How to load the base a checkpoint, adapter or release records. Remote code it records runs only when the
+    caller allows it too: the file alone cannot turn it on (a downloaded adapter would run its base's code)."""
+    if base_model.get("trust_remote_code") and not trust_remote_code:
+        raise ValueError(f"{source} loads its base model {base_model.get('name')!r} with trust_remote_code="
+                              "True: Python code from that model's folder or hub repository would run. If you trust "
+                              "it, pass trust_remote_code=True (--trust-remote-code on the command line)")
     known = ("trust_remote_code", "torch_dtype", "attn_implementation", "model_class", "kwargs")
     return {k: base_model[k] for k in known if base_model.get(k) is not None}
 
 
-def _load_base(base_model: dict[str, Any], base: str | None, source: str) -> tuple[nn.Module, Any, dict[str, Any]]:
+def _load_base(base_model: dict[str, Any], base: str | None, source: str,
+               trust_remote_code: bool = False) -> tuple[nn.Module, Any, dict[str, Any]]:
     base_model = dict(base_model)
     if base is not None:
         base_model["name"] = base
     if not base_model.get("name"):
         raise ValueError(f"{source} does not say which base model it belongs to; pass the base explicitly (--base)")
-    model, processor = load_backbone(base_model["name"], **_load_kwargs(base_model))
+    model, processor = load_backbone(base_model["name"], **_load_kwargs(base_model, source, trust_remote_code))
     return model, processor, base_model
 
 
 def load_base_model(loaded: Loaded, base: str | None = None) -> nn.Module:
-    """A fresh copy of the unmodified base model `loaded` was trained on (`base` overrides the recorded name)."""
-    return _load_base(loaded.base_model, base, "the loaded model")[0].eval()
+    """A fresh copy of the unmodified base model `loaded` was trained on (`base` overrides the recorded name).
+    Loading `loaded` already allowed any remote code its base records."""
+    return _load_base(loaded.base_model, base, "the loaded model", trust_remote_code=True)[0].eval()
 
 
-def load_checkpoint(path: str | os.PathLike, base: str | None = None) -> Loaded:
-    """Rebuild the trained model of a Lightning checkpoint written by `RetrofitModule` (no Lightning needed)."""
+def load_checkpoint(path: str | os.PathLike, base: str | None = None, *, trust_remote_code: bool = False) -> Loaded:
+    """Rebuild the trained model of a Lightning checkpoint written by `RetrofitModule` (no Lightning needed).
+    A base recorded with `trust_remote_code` is refused unless `trust_remote_code` (the same in every loader)."""
     path = Path(path)
     checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     meta = checkpoint.get(CHECKPOINT_SECTION)
@@ -76,7 +85,7 @@ def load_checkpoint(path: str | os.PathLike, base: str | None = None) -> Loaded:
     saved_base = {"name": hp.get("backbone", meta.get("backbone")), "kwargs": hp.get("backbone_kwargs") or {},
                   "torch_dtype": hp.get("torch_dtype"), "attn_implementation": hp.get("attn_implementation"),
                   "model_class": hp.get("model_class"), "trust_remote_code": hp.get("trust_remote_code", False)}
-    model, processor, base_model = _load_base(saved_base, base, str(path))
+    model, processor, base_model = _load_base(saved_base, base, str(path), trust_remote_code)
     check_fingerprint(meta["base_fingerprint"], base_fingerprint(model),
                       source=f"checkpoint {path} (trained on {meta.get('backbone')!r}, given {base_model['name']!r})")
     lora = meta.get("lora")
@@ -105,11 +114,11 @@ def load_checkpoint(path: str | os.PathLike, base: str | None = None) -> Loaded:
     return Loaded(model.eval(), processor, adapter, base_model, dict(lora) if lora else None, "checkpoint", replacement)
 
 
-def load_adapter_folder(path: str | os.PathLike, base: str | None = None) -> Loaded:
+def load_adapter_folder(path: str | os.PathLike, base: str | None = None, *, trust_remote_code: bool = False) -> Loaded:
     """Load base + routers (+ `lora/` if present) from an adapter folder written by `save_pretrained`."""
     path = Path(path)
     saved = read_adapter_config(path)
-    model, processor, base_model = _load_base(saved.get("base_model") or {}, base, str(path))
+    model, processor, base_model = _load_base(saved.get("base_model") or {}, base, str(path), trust_remote_code)
     check_fingerprint(saved["base_fingerprint"], base_fingerprint(model), source=f"adapter {path}")
     lora = None
     if (path / "lora" / "adapter_config.json").is_file():
@@ -122,18 +131,18 @@ def load_adapter_folder(path: str | os.PathLike, base: str | None = None) -> Loa
     return Loaded(model.eval(), processor, adapter, base_model, lora, "adapter", load_replacements(path))
 
 
-def _load_release(directory: Path) -> Loaded:
+def _load_release(directory: Path, trust_remote_code: bool = False) -> Loaded:
     config = json.loads((directory / RELEASE_CONFIG).read_text())
     if config.get("format") != RELEASE_FORMAT:
         raise ValueError(f"{directory / RELEASE_CONFIG} is not a vlm_retrofit release")
     base_model = config["base_model"]
     if config.get("full_weights"):
-        model, processor = load_backbone(str(directory / "model"), **_load_kwargs({**base_model, "kwargs": None}),
-                                         processor_from=str(directory / "processor"))
+        model, processor = load_backbone(str(directory / "model"), processor_from=str(directory / "processor"),
+                                         **_load_kwargs({**base_model, "kwargs": None}, str(directory), trust_remote_code))
         if config.get("pruned"):  # a plain, shallower model of the base's class: no routers, nothing merged on top
             return Loaded(model.eval(), processor, None, base_model, config.get("lora"), "release")
     else:
-        model, _, base_model = _load_base(base_model, None, str(directory))
+        model, _, base_model = _load_base(base_model, None, str(directory), trust_remote_code)
         processor = load_processor(str(directory / "processor"),
                                    trust_remote_code=bool(base_model.get("trust_remote_code")))
     if (directory / MERGED_LORA).is_file():
@@ -152,11 +161,11 @@ def _load_release(directory: Path) -> Loaded:
     return Loaded(model.eval(), processor, adapter, base_model, config.get("lora"), "release")
 
 
-def load_release(directory: str | os.PathLike) -> tuple[nn.Module, Any]:
+def load_release(directory: str | os.PathLike, *, trust_remote_code: bool = False) -> tuple[nn.Module, Any]:
     """`(model, processor)` of a release folder; `vlm_retrofit.get_adapter(model)` gives its routers, e.g.
     `with get_adapter(model).skipping("recent_weight", target_saving=0.3): model.generate(...)`. A pruned
     release is a plain model with fewer layers (no routers; `transformers` alone can load its `model/`)."""
-    loaded = _load_release(Path(directory))
+    loaded = _load_release(Path(directory), trust_remote_code)
     return loaded.model, loaded.processor
 
 
@@ -167,15 +176,22 @@ def summarize_pruning(directory: str | os.PathLike) -> str:
             f"{100 * pruned['layer_compute_removed']:.1f} % of decoder-layer compute saved on every token")
 
 
-def load_trained(path: str | os.PathLike, base: str | None = None) -> Loaded:
+def add_trust_remote_code_flag(parser: Any) -> None:
+    """`--trust-remote-code` for the commands that load what training or merging wrote."""
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="allow a base model recorded with trust_remote_code to run its own Python code "
+                             "(refused by default)")
+
+
+def load_trained(path: str | os.PathLike, base: str | None = None, *, trust_remote_code: bool = False) -> Loaded:
     """Whatever training or merging produced: a checkpoint file, an adapter folder or a release folder."""
     path = Path(path)
     if path.is_file():
-        return load_checkpoint(path, base)
+        return load_checkpoint(path, base, trust_remote_code=trust_remote_code)
     if (path / RELEASE_CONFIG).is_file():
-        return _load_release(path)
+        return _load_release(path, trust_remote_code)
     if (path / CONFIG_NAME).is_file():
-        return load_adapter_folder(path, base)
+        return load_adapter_folder(path, base, trust_remote_code=trust_remote_code)
     raise FileNotFoundError(f"{path} is neither a checkpoint file, a router adapter folder ({CONFIG_NAME}) "
                             f"nor a release folder ({RELEASE_CONFIG})")
 
@@ -295,7 +311,8 @@ def _write_release(loaded: Loaded, directory: Path, merge_lora: bool, full_weigh
 
 def merge(source: str | os.PathLike, output: str | os.PathLike, *, base: str | None = None, merge_lora: bool = False,
           full_weights: bool = False, verify: bool = True, prune_blocks: list[int] | None = None,
-          prune_target: float | None = None, allow_untrained_removal: bool = False) -> Path:
+          prune_target: float | None = None, allow_untrained_removal: bool = False,
+          trust_remote_code: bool = False) -> Path:
     """Write a release folder for a checkpoint or adapter folder; see `python -m vlm_retrofit merge --help`.
 
     Atomic: everything is written to a hidden temporary folder beside `output` and renamed into place at
@@ -307,7 +324,7 @@ def merge(source: str | os.PathLike, output: str | os.PathLike, *, base: str | N
     for is refused before any work unless `allow_untrained_removal` (`pruning.blocks_to_prune`).
     """
     output = Path(output)
-    loaded = load_trained(source, base)
+    loaded = load_trained(source, base, trust_remote_code=trust_remote_code)
     if loaded.adapter is None:
         raise ValueError(f"{source} is a pruned release: it has no routers left to merge; merge the adapter or "
                          "checkpoint it came from")
@@ -335,7 +352,7 @@ def merge(source: str | os.PathLike, output: str | os.PathLike, *, base: str | N
         if verify:
             if not pruning:
                 loaded.adapter.detach()  # the source's hooks would otherwise stay on a model we no longer use
-            released, _ = load_release(staging)
+            released, _ = load_release(staging, trust_remote_code=trust_remote_code)
             diff = (real_logits(released, inputs) - expected).abs().max().item()
             if not diff <= VERIFY_ATOL:
                 raise ReleaseVerificationError(f"the release does not reproduce {source}"
@@ -376,11 +393,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--allow-untrained-removal", action="store_true",
                         help="prune blocks the adapter was not trained to run without (another count or other blocks "
                              "than its removal schedule's), which is refused by default")
+    add_trust_remote_code_flag(parser)
     ns = parser.parse_args(argv)
     try:
         path = merge(ns.ckpt, ns.output, base=ns.base, merge_lora=ns.merge_lora, full_weights=ns.full_weights,
                      verify=not ns.no_verify, prune_blocks=ns.prune_blocks, prune_target=ns.prune_target,
-                     allow_untrained_removal=ns.allow_untrained_removal)
+                     allow_untrained_removal=ns.allow_untrained_removal, trust_remote_code=ns.trust_remote_code)
     except (AdapterMismatchError, FileNotFoundError, ValueError, ReleaseVerificationError) as error:
         print(f"merge refused: {error}")
         return 1
