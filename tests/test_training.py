@@ -341,3 +341,13 @@ def test_hidden_state_distillation_is_the_mean_relative_error_of_the_pairs():
     empty.backward()  # no selected position: zero, still differentiable
     assert empty == 0 and student[0].grad is not None
     assert hidden_state_distillation(student, teacher, []) == 0
+
+
+def test_save_adapter_replaces_the_folder_whole(tmp_path):
+    # A LoRA an earlier run left in the run's adapter folder must not be merged later with these routers.
+    adapter = tmp_path / "adapter"
+    RetrofitModule(backbone="tiny:llama", lora={"r": 2, "target_modules": ["q_proj"]}).save_adapter(adapter)
+    assert (adapter / "lora" / "adapter_config.json").is_file()
+    RetrofitModule(backbone="tiny:llama").save_adapter(adapter)
+    assert sorted(p.name for p in adapter.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert [p.name for p in tmp_path.iterdir()] == ["adapter"]  # nothing staged is left beside it

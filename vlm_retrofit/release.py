@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,7 @@ from torch import nn
 
 from .backbones import base_fingerprint, unwrap_model
 from .backbones.loading import RELEASE_CONFIG, load_backbone, load_processor
+from .files import staged_folder
 from .routing import AdapterMismatchError, RouterAdapter, RouterConfig, attach_routers, check_fingerprint
 from .replacement import load_replacements
 from .routing.adapter import CONFIG_NAME, read_adapter_config
@@ -341,10 +341,7 @@ def merge(source: str | os.PathLike, output: str | os.PathLike, *, base: str | N
         model, expected, pruned = prune_for_release(loaded, blocks, inputs)
     else:
         expected = real_logits(loaded.model, inputs) if verify else None
-    output.parent.mkdir(parents=True, exist_ok=True)
-    staging = output.parent / f".{output.name}.merging"
-    shutil.rmtree(staging, ignore_errors=True)
-    try:
+    with staged_folder(output, "merging") as staging:
         if pruning:
             write_pruned_release(loaded, model, staging, pruned)
         else:
@@ -358,15 +355,6 @@ def merge(source: str | os.PathLike, output: str | os.PathLike, *, base: str | N
                 raise ReleaseVerificationError(f"the release does not reproduce {source}"
                                                + (" with those blocks removed" if pruning else "")
                                                + f": logits differ by {diff:.3g}")
-        previous = output.parent / f".{output.name}.previous"
-        shutil.rmtree(previous, ignore_errors=True)
-        if output.exists():
-            os.rename(output, previous)
-        os.rename(staging, output)
-        shutil.rmtree(previous, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return output
 
 

@@ -214,12 +214,12 @@ def save_replacements(directory: str | os.PathLike, transforms: Mapping[int, Ten
     """Write `transforms` and the removed layers they were fitted for into an adapter folder (atomically)."""
     from safetensors.torch import save_file
 
-    from .routing.adapter import _atomic_write
+    from .files import atomic_write
 
     path = Path(directory) / REPLACEMENT_FILE
     tensors = {f"layer.{int(k)}": v.detach().float().cpu().contiguous() for k, v in transforms.items()}
     metadata = {"removed_layers": json.dumps(sorted(int(i) for i in removed))}
-    _atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
+    atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
     return path
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import tempfile
 import weakref
 from pathlib import Path
 from typing import Any, Iterator, Mapping
@@ -16,6 +15,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from ..backbones import BackboneSpec, base_fingerprint, resolve, unwrap_model
+from ..files import atomic_write
 from .config import BlockLayout, RouterConfig
 from .router import DepthRouter, SkipGate
 from .stream import SourceStack, StreamState
@@ -311,9 +311,9 @@ class RouterAdapter(nn.Module):
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         tensors = {k: v.detach().to("cpu").contiguous() for k, v in self.state_dict().items()}
-        _atomic_write(directory / WEIGHTS_NAME, lambda path: save_file(tensors, path, metadata={"format": "pt"}))
+        atomic_write(directory / WEIGHTS_NAME, lambda path: save_file(tensors, path, metadata={"format": "pt"}))
         text = json.dumps(self.adapter_config(), indent=2, sort_keys=True) + "\n"
-        _atomic_write(directory / CONFIG_NAME, lambda path: Path(path).write_text(text))
+        atomic_write(directory / CONFIG_NAME, lambda path: Path(path).write_text(text))
         return directory
 
     @classmethod
@@ -392,15 +392,3 @@ def check_fingerprint(saved: dict[str, Any], actual: dict[str, Any], *, source: 
         f"{actual.get('num_layers')} layers, hidden {actual.get('hidden_size')}). Differences: {details}. "
         "Load the base it was trained on."
     )
-
-
-def _atomic_write(path: Path, write) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise

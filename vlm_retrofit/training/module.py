@@ -17,6 +17,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
 from ..batch import META_KEYS
+from ..files import staged_folder
 from ..skipping import SkipSimulation
 from ..skipping.calibrate import scored_positions
 from ..skipping.runtime import resolve_budget
@@ -344,13 +345,15 @@ class RetrofitModule(pl.LightningModule):
 
     def save_adapter(self, directory: str | Path) -> Path:
         """Write the routers as `adapter_config.json` + `adapter_model.safetensors` (LoRA under `lora/`, a
-        linear replacement of the removed layers as `replacement.safetensors`)."""
+        linear replacement of the removed layers as `replacement.safetensors`). The folder is replaced whole: a
+        LoRA or replacement an earlier run left there does not survive to be merged with these routers."""
         directory = Path(directory)
-        self.adapter.save_pretrained(directory)
-        if self.hparams.lora:
-            self.model.save_pretrained(directory / "lora")
-        if self.replacements is not None:
-            save_replacements(directory, self.replacements, self.replacement_layers())
+        with staged_folder(directory, "saving") as staging:
+            self.adapter.save_pretrained(staging)
+            if self.hparams.lora:
+                self.model.save_pretrained(staging / "lora")
+            if self.replacements is not None:
+                save_replacements(staging, self.replacements, self.replacement_layers())
         return directory
 
     def replacement_layers(self) -> list[int]:
