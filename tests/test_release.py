@@ -147,6 +147,8 @@ def test_calibrate_merge_generate_commands(trained, tmp_path, capsys):
     assert len(saved["calibration"]["recent_weight"]["0.2000"]["thresholds"]) == 1
     assert saved["calibration"]["recent_weight"]["0.2000"]["skip_image_positions"] is False  # image positions run
     assert "token_match" in saved["calibration_metrics"]["recent_weight"]["0.2000"]
+    # A complete adapter folder: the LoRA goes with the routers, or the release below would be merged without it.
+    assert _files(tmp_path / "calibrated" / "lora") == _files(adapter_dir / "lora")
     assert main(["merge", "--ckpt", str(tmp_path / "calibrated"), "--output", str(tmp_path / "release")]) == 0
     assert "recent_weight | 0.20" in (tmp_path / "release" / "README.md").read_text()
     Image.new("RGB", (40, 40), (250, 20, 20)).save(tmp_path / "red.png")
@@ -161,3 +163,6 @@ def test_calibrate_merge_generate_commands(trained, tmp_path, capsys):
     assert main(["generate", "--model", str(tmp_path / "release"), "--prompt", "Hi", "--skip-policy", "recent_weight",
                  "--target-saving", "0.9"]) == 1  # not calibrated for 0.9: refused with the way forward
     assert "calibrate" in capsys.readouterr().out
+    # A release stores its calibration in its own router/: an adapter folder elsewhere would lose its merged LoRA.
+    assert main(["calibrate", "--model", str(tmp_path / "release"), "--output", str(tmp_path / "elsewhere")]) == 1
+    assert "is a release" in capsys.readouterr().out and not (tmp_path / "elsewhere").exists()

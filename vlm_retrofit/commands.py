@@ -11,7 +11,9 @@ from typing import Any
 
 import torch
 
+from .files import staged_folder
 from .release import Loaded, add_trust_remote_code_flag, load_base_model, load_trained, summarize_pruning
+from .replacement import save_replacements
 from .skipping import POLICIES, SkipController, calibrate
 
 
@@ -19,14 +21,27 @@ def _processor_name(loaded: Loaded, source: Path) -> str:
     return str(source / "processor") if loaded.kind == "release" else loaded.base_model["name"]
 
 
-def _adapter_output(loaded: Loaded, source: Path, output: str | None) -> Path:
-    if output:
-        return Path(output)
-    if loaded.kind == "release":
-        return source / "router"
-    if loaded.kind == "adapter":
-        return source
-    return source.parent / f"{source.stem}-adapter"
+def _adapter_output(loaded: Loaded, source: Path, output: str | None) -> tuple[Path, bool]:
+    """Where calibration is stored, and whether that is in place (only the router files are rewritten): an
+    adapter folder itself, a release's `router/`; else a new, complete adapter folder (`_write_adapter`)."""
+    own = source / "router" if loaded.kind == "release" else source if loaded.kind == "adapter" else None
+    target = Path(output) if output else own if own is not None else source.parent / f"{source.stem}-adapter"
+    in_place = own is not None and target.resolve() == own.resolve()
+    if loaded.kind == "release" and not in_place:
+        raise ValueError(f"{source} is a release: its calibration is stored in {own}. An adapter folder elsewhere "
+                         "would lose the weights the release merged; drop --output, or calibrate the adapter or "
+                         "checkpoint it was merged from")
+    return target, in_place
+
+
+def _write_adapter(loaded: Loaded, output: Path) -> None:
+    """A complete adapter folder, replaced whole: the routers, the LoRA and any linear replacement."""
+    with staged_folder(output, "saving") as staging:
+        loaded.adapter.save_pretrained(staging)
+        if loaded.lora:
+            loaded.model.save_pretrained(staging / "lora")
+        if loaded.replacement is not None:
+            save_replacements(staging, *loaded.replacement)
 
 
 def calibrate_main(argv: list[str] | None = None) -> int:
@@ -64,6 +79,11 @@ def calibrate_main(argv: list[str] | None = None) -> int:
         print(f"calibrate: {source} is a pruned release: its layers are deleted and it has no routers to calibrate; "
               "calibrate the adapter or checkpoint it was merged from")
         return 1
+    try:
+        output, in_place = _adapter_output(loaded, source, ns.output)  # before any work
+    except ValueError as error:
+        print(f"calibrate: {error}")
+        return 1
     data = WebDatasetDataModule(processor=_processor_name(loaded, source), train_shards=ns.shards,
                                 val_shards=ns.shards, batch_size=ns.batch_size, num_workers=0,
                                 add_quality_callback=False)
@@ -88,10 +108,10 @@ def calibrate_main(argv: list[str] | None = None) -> int:
         }
         print(f"{result.summary()}; generating: compute saved {100 * metrics['skip/compute_saved']:.1f} %, "
               f"token match {100 * metrics['skip/token_match']:.1f} %, ROUGE-L {metrics['skip/rouge_l']:.3f}")
-    output = _adapter_output(loaded, source, ns.output)
-    adapter.save_pretrained(output)
-    if loaded.lora and loaded.kind == "checkpoint":
-        loaded.model.save_pretrained(output / "lora")
+    if in_place:
+        adapter.save_pretrained(output)
+    else:
+        _write_adapter(loaded, output)
     print(f"calibration stored with the adapter in {output}")
     return 0
 
