@@ -1,5 +1,7 @@
 """Skip semantics, budgets, never-skip blocks, accounting by hand, bad settings, and the training simulation."""
 
+import warnings
+
 import pytest
 import torch
 from transformers import DynamicCache
@@ -170,6 +172,23 @@ def test_bad_settings_are_refused_with_the_valid_choices():
         adapter.skipping("recent_weight", target_saving=0.3)
     with pytest.raises(ValueError, match="budget"):
         adapter.skipping("random", rate=0.2, budget=-1)
+    with pytest.raises(ValueError, match="less than one block per token"):  # 0.1 of 4 skippable blocks: none at all
+        adapter.skipping("random", rate=0.2, budget=0.1)
+    with pytest.raises(ValueError, match="missing a required argument: 'thresholds'.*target_saving="):
+        adapter.skipping("recent_weight")
+    with pytest.raises(ValueError, match="unexpected keyword argument 'threshold'.*Its settings: thresholds"):
+        adapter.skipping("recent_weight", thresholds={1: 0.5}, threshold=0.5)
+
+
+def test_a_calibration_off_its_target_warns():
+    model, processor, adapter = _model()
+    batches = [tiny_inputs(processor)]
+    with pytest.warns(UserWarning, match="off the target by more than the tolerance 0.0"):
+        result = calibrate(adapter, batches, 0.3, "random", tolerance=0.0, max_iterations=2, store=False)
+    assert result.achieved_saving != 0.3
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        calibrate(adapter, batches, 0.3, "random", tolerance=1.0, store=False)  # within it: no warning
 
 
 def test_simulation_is_the_inference_skip_function_and_trains_the_gates():

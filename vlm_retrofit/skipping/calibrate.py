@@ -339,6 +339,12 @@ def calibrate(adapter: RouterAdapter, batches: Iterable[Mapping[str, Any]], targ
     controller = _run(adapter, batches, POLICIES[policy](**settings))
     result = CalibrationResult(policy, float(target_saving), settings, realised(controller.report),
                                rates(controller.report), "real positions" if skip_image_positions else "text positions")
+    if policy != "static" and abs(result.achieved_saving - target_saving) > tolerance:
+        # Tied scores (recent_weight or gates on untrained routers: every token scores the same) give no quantile
+        # between "skip none" and "skip all"; too few calibration tokens give coarse steps.
+        warnings.warn(f"{result.summary()}: off the target by more than the tolerance {tolerance}. Untrained "
+                      "routers or gates score every token alike; more calibration batches give finer steps. "
+                      + ("Stored anyway: " if store else "") + "check `achieved_saving` before using it", stacklevel=2)
     if store:
         adapter.calibration.setdefault(policy, {})[f"{float(target_saving):.4f}"] = settings
     return result

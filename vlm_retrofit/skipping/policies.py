@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable, Mapping
 
 import torch
@@ -258,7 +259,14 @@ POLICIES: dict[str, type[SkipPolicy]] = {
 
 
 def make_policy(name: str, **kwargs: Any) -> SkipPolicy:
-    """Build a policy by name; unknown names are refused with the valid ones."""
+    """Build a policy by name; an unknown name, or a missing or unknown setting, is refused naming the valid ones."""
     if name not in POLICIES:
         raise ValueError(f"unknown skip policy {name!r}; valid policies: {', '.join(POLICIES)}")
-    return POLICIES[name](**kwargs)
+    cls = POLICIES[name]
+    try:
+        inspect.signature(cls).bind(**kwargs)  # a missing or unknown setting, before anything is built
+    except TypeError as error:
+        settings = ", ".join(inspect.signature(cls).parameters) or "none"
+        raise ValueError(f"skip policy {name!r}: {error}. Its settings: {settings}; or pass target_saving= to use a "
+                         "stored calibration (`vlm_retrofit calibrate` writes one)") from None
+    return cls(**kwargs)
