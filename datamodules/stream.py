@@ -9,7 +9,7 @@ import math
 import random
 import re
 import tarfile
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import webdataset as wds
 from torch.utils.data import DataLoader
@@ -28,6 +28,26 @@ class EpochState:
 
     def __init__(self) -> None:
         self.epoch = 0
+        self.stream_epoch = 0
+        """The epoch the pass now read belongs to, in this copy (`EpochPipeline`): what the stream is seeded by."""
+
+
+class EpochPipeline(wds.DataPipeline):
+    """A pipeline whose every pass sets `epoch_state.stream_epoch` before any stage runs.
+
+    A copy in a fresh worker sees the main process's epoch; one kept across epochs (persistent workers, or the
+    main process with no workers) counts its own passes from the epoch of its first. Either way the stream of
+    epoch e is a function of e alone, so a resumed run (`EpochLoader.load_state_dict`) reads what an uninterrupted
+    one would."""
+
+    epoch_state: EpochState
+
+    def __iter__(self):
+        if getattr(self, "_first_epoch", None) is None:
+            self._first_epoch, self._passes = self.epoch_state.epoch, 0
+        self._passes += 1
+        self.epoch_state.stream_epoch = self._first_epoch + self._passes - 1
+        return super().__iter__()
 
 
 class WorkerSeed:
@@ -38,34 +58,66 @@ class WorkerSeed:
 
     def __call__(self) -> int:
         rank, _, worker, _ = pytorch_worker_info()
-        return make_seed(rank, worker, self.state.epoch)
+        return make_seed(rank, worker, self.state.stream_epoch)
 
 
 class SplitResampledShards(wds.ResampledShards):
     """`wds.ResampledShards` that first splits the shard list by node and worker when there are enough shards.
 
-    Rank r / worker w of R ranks x W workers draws (with replacement, seeded by seed, rank, worker and epoch)
+    Rank r / worker w of R ranks x W workers draws (with replacement, seeded by seed, rank, worker and epoch: the
+    stream epoch, not a count of this copy's passes, so that a resumed run draws the same)
     only from `urls[r * W + w :: R * W]`, so ranks and workers read disjoint shards; with fewer shards than
     R x W every producer draws from all shards (still a different random sequence each)."""
 
     def __iter__(self):
-        self.epoch += 1
         rank, world, worker, workers = pytorch_worker_info()
         n, i = world * workers, rank * workers + worker
         urls = self.urls[i::n] if len(self.urls) >= n else self.urls
-        self.rng = random.Random(make_seed(self.worker_seed(), self.epoch, self.seed))
+        self.rng = random.Random(make_seed(self.worker_seed(), self.seed))
         for _ in range(self.nshards):
             yield dict(url=urls[self.rng.randint(0, len(urls) - 1)])
 
 
 class EpochLoader(DataLoader):
-    """DataLoader that bumps the dataset's `EpochState` on every new pass (new shuffles per epoch, reproducibly)."""
+    """DataLoader that bumps the dataset's `EpochState` on every new pass (new shuffles per epoch, reproducibly).
+
+    With `consumed` (the training loader: how many of this pass's batches the training loop has run) it is
+    resumable: Lightning saves `state_dict()` in its checkpoints and restores it before the first pass, which then
+    drops the batches the checkpoint had trained on and continues the stream an uninterrupted run would read. A
+    resumed run does not replay its epoch from the top."""
+
+    def __init__(self, *args: Any, consumed: Callable[[], int] | None = None, batches_per_epoch: int | None = None,
+                 **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.consumed, self.batches_per_epoch = consumed, batches_per_epoch
+        self._resume_skip = 0
 
     def __iter__(self):
         state = getattr(self.dataset, "epoch_state", None)
         if state is not None:
             state.epoch += 1
-        return super().__iter__()
+        iterator = super().__iter__()
+        skip, self._resume_skip = self._resume_skip, 0
+        for _ in range(skip):  # read and dropped: what follows depends on them (shuffle buffer, shard order)
+            if next(iterator, None) is None:
+                break
+        return iterator
+
+    def state_dict(self) -> dict[str, int]:
+        state = getattr(self.dataset, "epoch_state", None)
+        return {"epoch": state.epoch if state is not None else 0,
+                "batches": int(self.consumed()) if self.consumed is not None else 0}
+
+    def load_state_dict(self, saved: Mapping[str, int]) -> None:
+        epoch, batches = int(saved.get("epoch", 0)), int(saved.get("batches", 0))
+        if self.batches_per_epoch and batches >= self.batches_per_epoch:
+            batches = 0  # saved on the epoch's last batch: the next pass is the next epoch's
+        else:
+            epoch -= 1  # the next pass is the saved one again (`__iter__` counts it)
+        state = getattr(self.dataset, "epoch_state", None)
+        if state is not None:
+            state.epoch = epoch
+        self._resume_skip = batches
 
 
 def read_shards(src: Iterable[dict], counter: SkipCounter) -> Iterator[dict[str, Any]]:
@@ -124,7 +176,6 @@ class Stages:
                               max_image_pixels=max_image_pixels, max_image_side=max_image_side)
         self.shuffle_buffer = shuffle_buffer
         self.counter = SkipCounter()
-        self.passes = 0  # passes made by THIS copy (persistent workers keep theirs across epochs)
 
     def read(self, src):
         return read_shards(src, self.counter)
@@ -133,8 +184,7 @@ class Stages:
         if self.shuffle_buffer <= 1:
             return src
         rank, _, worker, _ = pytorch_worker_info()
-        self.passes += 1
-        seed = make_seed(self.seed, rank, worker, self.state.epoch, self.passes)
+        seed = make_seed(self.seed, rank, worker, self.state.stream_epoch)
         return _shuffle(src, bufsize=self.shuffle_buffer, initial=max(1, self.shuffle_buffer // 2), seed=seed)
 
     def decode(self, src):
@@ -189,7 +239,7 @@ def train_pipeline(urls: list[str], stages: Stages, batches_per_worker: int) -> 
     """Infinite resampled shards (split by node and worker, seeded per rank / worker / epoch) -> shuffle -> decode
     -> batch; each worker yields `batches_per_worker` batches per epoch (`with_epoch`): equal on every rank."""
     shards = SplitResampledShards(urls, seed=stages.seed, worker_seed=WorkerSeed(stages.state), deterministic=True)
-    pipe = wds.DataPipeline(shards, stages.read, stages.shuffle, stages.decode, stages.batch)
+    pipe = EpochPipeline(shards, stages.read, stages.shuffle, stages.decode, stages.batch)
     pipe = pipe.with_epoch(batches_per_worker)
     pipe.epoch_state = stages.state
     return pipe

@@ -8,6 +8,7 @@ import os
 import tarfile
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as pl
 from webdataset.shardlists import expand_urls
@@ -75,8 +76,9 @@ class WebDatasetDataModule(pl.LightningDataModule):
     """Streams image-text WebDataset shards and formats them with the backbone's processor for distillation.
 
     Training: resampled shards (split by rank and worker when there are enough), shuffled, `with_epoch`
-    (`train_samples_per_epoch` per rank), deterministic given `seed`. Validation: one finite pass, shards split
-    by rank (`wds.split_by_node`) then worker; setup() refuses fewer shards than ranks x workers.
+    (`train_samples_per_epoch` per rank), deterministic given `seed`; a run resumed from a checkpoint continues
+    the stream where it stopped (`EpochLoader`). Validation: one finite pass, shards split by rank
+    (`wds.split_by_node`) then worker; setup() refuses fewer shards than ranks x workers.
 
     Batch format (a dict; see `formatting` for the exact loss-mask alignment):
 
@@ -173,7 +175,8 @@ class WebDatasetDataModule(pl.LightningDataModule):
         self.train_urls: list[str] = []
         self.val_urls: list[str] = []
         self.formatter: ChatFormatter | None = None
-        self.epoch_state = EpochState()
+        # Apart: a validation pass must not move the training stream (nor a resumed run's, which skips the sanity check).
+        self.train_epoch_state, self.val_epoch_state = EpochState(), EpochState()
 
     # ------------------------------------------------------------------ set-up
     def _synthetic(self) -> str:
@@ -233,14 +236,20 @@ class WebDatasetDataModule(pl.LightningDataModule):
     def _stages(self, batch_size: int, shuffle: bool) -> Stages:
         if self.formatter is None:
             self.setup()
-        return Stages(self.formatter, batch_size, self.seed, self.epoch_state, image_keys=self.image_keys,
+        state = self.train_epoch_state if shuffle else self.val_epoch_state
+        return Stages(self.formatter, batch_size, self.seed, state, image_keys=self.image_keys,
                       text_keys=self.text_keys, prompt=self.prompt, max_image_pixels=self.max_image_pixels,
                       max_image_side=self.max_image_side, shuffle_buffer=self.shuffle_buffer if shuffle else 0,
                       group_by_modality=self.group_by_modality)
 
-    def _loader(self, dataset) -> EpochLoader:
+    def _loader(self, dataset, **resumable: Any) -> EpochLoader:
         return EpochLoader(dataset, batch_size=None, num_workers=self.num_workers, pin_memory=self.pin_memory,
-                           persistent_workers=self.persistent_workers and self.num_workers > 0)
+                           persistent_workers=self.persistent_workers and self.num_workers > 0, **resumable)
+
+    def _batches_trained_this_epoch(self) -> int:
+        # At a checkpoint (saved on a training batch's end) `processed` counts that batch too.
+        trainer = self.trainer
+        return trainer.fit_loop.epoch_loop.batch_progress.current.processed if trainer is not None else 0
 
     def train_dataset(self):
         per_worker = batches_per_worker(self.train_samples_per_epoch, self.batch_size, self.num_workers)
@@ -250,7 +259,9 @@ class WebDatasetDataModule(pl.LightningDataModule):
         return val_pipeline(self.val_urls, self._stages(self.val_batch_size, False))
 
     def train_dataloader(self):
-        return self._loader(self.train_dataset())
+        per_epoch = batches_per_worker(self.train_samples_per_epoch, self.batch_size, self.num_workers)
+        return self._loader(self.train_dataset(), consumed=self._batches_trained_this_epoch,
+                            batches_per_epoch=per_epoch * max(1, self.num_workers))
 
     def val_dataloader(self):
         return self._loader(self.val_dataset()) if self.val_urls else []

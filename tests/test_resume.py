@@ -15,7 +15,11 @@ from vlm_retrofit.training import CHECKPOINT_KEY, RetrofitModule, inspect_checkp
 N = 4  # steps per half; = batches per epoch of the fixed data, so both halves see the same batches
 
 
-def _args(run_dir, *extra, steps=2 * N, backbone="tiny:qwen2_vl", every=2):
+FIXED_DATA = ["--data", "vlm_retrofit.training.FixedBatchDataModule", "--data.num_batches", str(N),
+              "--data.val_batches", "0", "--data.batch_size", "2"]
+
+
+def _args(run_dir, *extra, steps=2 * N, backbone="tiny:qwen2_vl", every=2, data=FIXED_DATA):
     return [
         "fit",
         "--model.backbone", backbone,
@@ -25,10 +29,7 @@ def _args(run_dir, *extra, steps=2 * N, backbone="tiny:qwen2_vl", every=2):
         "--model.compute_target", "0.6",
         "--model.total_steps", str(2 * N),  # the same LR schedule in every run
         "--model.warmup_steps", "2",
-        "--data", "vlm_retrofit.training.FixedBatchDataModule",
-        "--data.num_batches", str(N),
-        "--data.val_batches", "0",
-        "--data.batch_size", "2",
+        *data,
         "--trainer.max_steps", str(steps),
         "--trainer.accelerator", "cpu",
         "--trainer.enable_progress_bar", "false",
@@ -129,6 +130,31 @@ def test_the_micro_batches_of_one_step_draw_their_own_masks(tmp_path, monkeypatc
     assert _fit(tmp_path / "plain", steps=2) == 0  # without accumulation: one seed per optimizer step, as before
     module = RetrofitModule(backbone="tiny:qwen2_vl")
     assert [seed for _, seed in seeds] == [module._step_seed(0, 0), module._step_seed(1, 0)]
+
+
+@pytest.mark.parametrize("epoch_batches", [2 * N, N], ids=["mid-epoch", "on-an-epoch-end"])
+def test_a_resumed_run_reads_the_stream_an_uninterrupted_one_would(tmp_path, monkeypatch, epoch_batches):
+    """WebDataset shards: the resumed half trains on the batches the straight run's second half trained on."""
+    seen = []
+    original = RetrofitModule.training_step
+
+    def recorded(self, batch, batch_idx):
+        seen.append((self.global_step, hash(batch["input_ids"].numpy().tobytes())))
+        return original(self, batch, batch_idx)
+
+    monkeypatch.setattr(RetrofitModule, "training_step", recorded)
+    stream = ["--data", "vlm_retrofit.datamodules.WebDatasetDataModule", "--data.data_dir", str(tmp_path / "shards"),
+              "--data.num_workers", "0", "--data.batch_size", "2",
+              "--data.train_samples_per_epoch", str(2 * epoch_batches), "--trainer.limit_val_batches", "0"]
+    assert _fit(tmp_path / "straight", data=stream) == 0
+    straight = dict(seen)
+    seen.clear()
+    assert _fit(tmp_path / "halves", steps=N, data=stream) == 0
+    seen.clear()
+    assert _fit(tmp_path / "halves", "--ckpt_path", "last", data=stream) == 0
+    assert [step for step, _ in seen] == list(range(N, 2 * N))
+    assert dict(seen) == {step: straight[step] for step in range(N, 2 * N)}
+    assert len(set(straight.values())) == 2 * N  # distinct batches: a replay from the top could not pass
 
 
 def test_killed_run_resumes_from_its_last_checkpoint(tmp_path, monkeypatch, count_steps):
