@@ -132,8 +132,9 @@ def test_the_micro_batches_of_one_step_draw_their_own_masks(tmp_path, monkeypatc
     assert [seed for _, seed in seeds] == [module._step_seed(0, 0), module._step_seed(1, 0)]
 
 
-@pytest.mark.parametrize("epoch_batches", [2 * N, N], ids=["mid-epoch", "on-an-epoch-end"])
-def test_a_resumed_run_reads_the_stream_an_uninterrupted_one_would(tmp_path, monkeypatch, epoch_batches):
+@pytest.mark.parametrize("epoch_batches, workers", [(2 * N, 0), (N, 0), (N // 2, 1)],
+                         ids=["mid-epoch", "on-an-epoch-end", "persistent-worker"])
+def test_a_resumed_run_reads_the_stream_an_uninterrupted_one_would(tmp_path, monkeypatch, epoch_batches, workers):
     """WebDataset shards: the resumed half trains on the batches the straight run's second half trained on."""
     seen = []
     original = RetrofitModule.training_step
@@ -144,8 +145,9 @@ def test_a_resumed_run_reads_the_stream_an_uninterrupted_one_would(tmp_path, mon
 
     monkeypatch.setattr(RetrofitModule, "training_step", recorded)
     stream = ["--data", "vlm_retrofit.datamodules.WebDatasetDataModule", "--data.data_dir", str(tmp_path / "shards"),
-              "--data.num_workers", "0", "--data.batch_size", "2",
-              "--data.train_samples_per_epoch", str(2 * epoch_batches), "--trainer.limit_val_batches", "0"]
+              "--data.num_workers", str(workers), "--data.persistent_workers", str(workers > 0).lower(),
+              "--data.batch_size", "2", "--data.train_samples_per_epoch", str(2 * epoch_batches),
+              "--trainer.limit_val_batches", "0"]
     assert _fit(tmp_path / "straight", data=stream) == 0
     straight = dict(seen)
     seen.clear()
