@@ -55,6 +55,10 @@ def test_identity_at_init_with_and_without_images(attached):
         assert diff <= 1e-4, f"{family}/{kind}: routed logits differ from base by {diff}"
     # The routers really ran: one weight set per router in the last forward.
     assert set(adapter.last_routing_weights) == set(adapter.routers)
+    # A forward without routing (the distillation teacher's) lets the last one's stream go: it held every delta.
+    with adapter.disabled():
+        _logits(model, inputs["text"])
+    assert adapter.last_routing_weights == {} and adapter._state.stack is None
 
 
 def test_disabled_and_detach_give_the_exact_base(case):

@@ -161,6 +161,8 @@ class RouterAdapter(nn.Module):
             if cache is not None:
                 self._check_cache(cache)  # also for the base function (disabled routers): it runs every layer
             if not self._enabled:
+                if block == 0:  # a forward without routing: the previous one's stream (every delta) can go now
+                    self._state = StreamState()
                 return None
             hidden = _hidden_from(args, kwargs)
             controller = self._controller
