@@ -251,17 +251,19 @@ class WebDatasetDataModule(pl.LightningDataModule):
         trainer = self.trainer
         return trainer.fit_loop.epoch_loop.batch_progress.current.processed if trainer is not None else 0
 
+    @property
+    def train_batches_per_worker(self) -> int:
+        return batches_per_worker(self.train_samples_per_epoch, self.batch_size, self.num_workers)
+
     def train_dataset(self):
-        per_worker = batches_per_worker(self.train_samples_per_epoch, self.batch_size, self.num_workers)
-        return train_pipeline(self.train_urls, self._stages(self.batch_size, True), per_worker)
+        return train_pipeline(self.train_urls, self._stages(self.batch_size, True), self.train_batches_per_worker)
 
     def val_dataset(self):
         return val_pipeline(self.val_urls, self._stages(self.val_batch_size, False))
 
     def train_dataloader(self):
-        per_epoch = batches_per_worker(self.train_samples_per_epoch, self.batch_size, self.num_workers)
         return self._loader(self.train_dataset(), consumed=self._batches_trained_this_epoch,
-                            batches_per_epoch=per_epoch * max(1, self.num_workers))
+                            batches_per_epoch=self.train_batches_per_worker * max(1, self.num_workers))
 
     def val_dataloader(self):
         return self._loader(self.val_dataset()) if self.val_urls else []

@@ -11,9 +11,8 @@ from typing import Any
 
 import torch
 
-from .files import staged_folder
+from .files import write_adapter_folder
 from .release import Loaded, add_trust_remote_code_flag, load_base_model, load_trained, summarize_pruning
-from .replacement import save_replacements
 from .skipping import POLICIES, SkipController, calibrate
 
 
@@ -23,7 +22,7 @@ def _processor_name(loaded: Loaded, source: Path) -> str:
 
 def _adapter_output(loaded: Loaded, source: Path, output: str | None) -> tuple[Path, bool]:
     """Where calibration is stored, and whether that is in place (only the router files are rewritten): an
-    adapter folder itself, a release's `router/`; else a new, complete adapter folder (`_write_adapter`)."""
+    adapter folder itself, a release's `router/`; else a new, complete adapter folder (`write_adapter_folder`)."""
     own = source / "router" if loaded.kind == "release" else source if loaded.kind == "adapter" else None
     target = Path(output) if output else own if own is not None else source.parent / f"{source.stem}-adapter"
     in_place = own is not None and target.resolve() == own.resolve()
@@ -32,16 +31,6 @@ def _adapter_output(loaded: Loaded, source: Path, output: str | None) -> tuple[P
                          "would lose the weights the release merged; drop --output, or calibrate the adapter or "
                          "checkpoint it was merged from")
     return target, in_place
-
-
-def _write_adapter(loaded: Loaded, output: Path) -> None:
-    """A complete adapter folder, replaced whole: the routers, the LoRA and any linear replacement."""
-    with staged_folder(output, "saving") as staging:
-        loaded.adapter.save_pretrained(staging)
-        if loaded.lora:
-            loaded.model.save_pretrained(staging / "lora")
-        if loaded.replacement is not None:
-            save_replacements(staging, *loaded.replacement)
 
 
 def calibrate_main(argv: list[str] | None = None) -> int:
@@ -111,7 +100,7 @@ def calibrate_main(argv: list[str] | None = None) -> int:
     if in_place:
         adapter.save_pretrained(output)
     else:
-        _write_adapter(loaded, output)
+        write_adapter_folder(output, adapter, loaded.model if loaded.lora else None, loaded.replacement)
     print(f"calibration stored with the adapter in {output}")
     return 0
 

@@ -1,4 +1,4 @@
-"""Atomic writes: a file or a whole folder is replaced in one rename, or left as it was."""
+"""Atomic writes: a file or a whole folder (e.g. an adapter folder) is replaced in one rename, or left as it was."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
 
 def atomic_write(path: Path, write: Callable[[str], object]) -> None:
@@ -41,3 +41,19 @@ def staged_folder(output: Path, purpose: str) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+def write_adapter_folder(directory: Path, adapter: Any, lora_model: Any | None = None,
+                         replacement: tuple[Mapping[int, Any], list[int]] | None = None) -> Path:
+    """A complete adapter folder, replaced whole: the routers (`adapter_config.json` + `adapter_model.safetensors`),
+    the LoRA of `lora_model` (a PEFT model) under `lora/`, and a linear replacement (transforms, removed layers) as
+    `replacement.safetensors`. No file an earlier folder held survives to be merged with these routers."""
+    from .replacement import save_replacements
+
+    with staged_folder(directory, "saving") as staging:
+        adapter.save_pretrained(staging)
+        if lora_model is not None:
+            lora_model.save_pretrained(staging / "lora")
+        if replacement is not None:
+            save_replacements(staging, *replacement)
+    return directory

@@ -49,9 +49,9 @@ def _load_kwargs(base_model: dict[str, Any], source: str, trust_remote_code: boo
     """How to load the base a checkpoint, adapter or release records. Remote code it records runs only when the
     caller allows it too: the file alone cannot turn it on (a downloaded adapter would run its base's code)."""
     if base_model.get("trust_remote_code") and not trust_remote_code:
-        raise ValueError(f"{source} loads its base model {base_model.get('name')!r} with trust_remote_code="
-                              "True: Python code from that model's folder or hub repository would run. If you trust "
-                              "it, pass trust_remote_code=True (--trust-remote-code on the command line)")
+        raise ValueError(f"{source} loads its base model {base_model.get('name')!r} with trust_remote_code=True: "
+                         "Python code from that model's folder or hub repository would run. If you trust it, pass "
+                         "trust_remote_code=True (--trust-remote-code on the command line)")
     known = ("trust_remote_code", "torch_dtype", "attn_implementation", "model_class", "kwargs")
     return {k: base_model[k] for k in known if base_model.get(k) is not None}
 

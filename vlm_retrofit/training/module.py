@@ -17,14 +17,14 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
 from ..batch import META_KEYS
-from ..files import staged_folder
+from ..files import write_adapter_folder
 from ..skipping import SkipSimulation
 from ..skipping.calibrate import scored_positions
 from ..skipping.runtime import resolve_budget
 from ..routing import RouterConfig, attach_routers
 from ..backbones.loading import load_backbone
 from ..pruning import layers_removed
-from ..replacement import fit_replacements, output_projection, replacements_applied, save_replacements
+from ..replacement import fit_replacements, output_projection, replacements_applied
 from .checkpoint import CHECKPOINT_KEY, check_checkpoint, checkpoint_metadata, resumed_removal_range
 from .losses import (PENALTIES, compute_penalty, distillation_kl, drop_rate_at, hidden_state_distillation,
                      routing_entropies)
@@ -347,14 +347,9 @@ class RetrofitModule(pl.LightningModule):
         """Write the routers as `adapter_config.json` + `adapter_model.safetensors` (LoRA under `lora/`, a
         linear replacement of the removed layers as `replacement.safetensors`). The folder is replaced whole: a
         LoRA or replacement an earlier run left there does not survive to be merged with these routers."""
-        directory = Path(directory)
-        with staged_folder(directory, "saving") as staging:
-            self.adapter.save_pretrained(staging)
-            if self.hparams.lora:
-                self.model.save_pretrained(staging / "lora")
-            if self.replacements is not None:
-                save_replacements(staging, self.replacements, self.replacement_layers())
-        return directory
+        replacement = (self.replacements, self.replacement_layers()) if self.replacements is not None else None
+        return write_adapter_folder(Path(directory), self.adapter, self.model if self.hparams.lora else None,
+                                    replacement)
 
     def replacement_layers(self) -> list[int]:
         """The decoder layers the removal schedule removes at its largest k (what a replacement is fitted for)."""
