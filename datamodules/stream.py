@@ -195,12 +195,29 @@ class Stages:
                 self.counter.skip(s.reason, sample.get("__url__", "?"), sample.get("__key__"), s.detail)
 
     def batch(self, src: Iterable[Example]):
-        """Collate `batch_size` examples at a time (one modality per batch if the processor cannot mix, or if
-        `group_by_modality`: image and text-only samples differ in length, so mixed batches are mostly padding).
+        """Batches of a finite pass, with one batch of look-ahead: skips found after the last batch (the end of
+        the last shard) are added to that batch, so every skip of the pass reaches the main process."""
+        pending = None
+        for out in self.collated(src):
+            if pending is not None:
+                yield pending
+            pending = out
+        if pending is not None:
+            reasons, shards = self.counter.take()
+            for mine, late in ((pending["skipped"], reasons), (pending["skipped_shards"], shards)):
+                for k, n in late.items():
+                    mine[k] = mine.get(k, 0) + n
+            yield pending
 
-        One batch of look-ahead: skips found after the last batch of a finite pass are added to that batch."""
+    def collated(self, src: Iterable[Example]):
+        """Collate `batch_size` examples at a time, each batch yielded as soon as it is formed (one modality per
+        batch if the processor cannot mix, or if `group_by_modality`: image and text-only samples differ in
+        length, so mixed batches are mostly padding); partial batches at the end of a finite pass.
+
+        The training stream batches with this directly: it never ends, and `with_epoch` closes it right after
+        its last batch, so a batch held back for look-ahead would be formed, its skips taken, and dropped."""
         groups: dict[bool, list[Example]] = {}
-        mix, pending = self.formatter.can_mix and not self.group_by_modality, None
+        mix = self.formatter.can_mix and not self.group_by_modality
         for ex in src:
             group = groups.setdefault(True if mix else ex.image is not None, [])
             group.append(ex)
@@ -208,21 +225,11 @@ class Stages:
                 out = self._collate(group)
                 group.clear()
                 if out is not None:
-                    if pending is not None:
-                        yield pending
-                    pending = out
-        for group in groups.values():  # partial batches at the end of a finite pass
+                    yield out
+        for group in groups.values():
             out = self._collate(group) if group else None
             if out is not None:
-                if pending is not None:
-                    yield pending
-                pending = out
-        if pending is not None:
-            reasons, shards = self.counter.take()
-            for mine, late in ((pending["skipped"], reasons), (pending["skipped_shards"], shards)):
-                for k, n in late.items():
-                    mine[k] = mine.get(k, 0) + n
-            yield pending
+                yield out
 
     def _collate(self, examples: list[Example]) -> dict[str, Any] | None:
         batch, rejected = self.formatter.collate(list(examples))
@@ -239,7 +246,7 @@ def train_pipeline(urls: list[str], stages: Stages, batches_per_worker: int) -> 
     """Infinite resampled shards (split by node and worker, seeded per rank / worker / epoch) -> shuffle -> decode
     -> batch; each worker yields `batches_per_worker` batches per epoch (`with_epoch`): equal on every rank."""
     shards = SplitResampledShards(urls, seed=stages.seed, worker_seed=WorkerSeed(stages.state), deterministic=True)
-    pipe = EpochPipeline(shards, stages.read, stages.shuffle, stages.decode, stages.batch)
+    pipe = EpochPipeline(shards, stages.read, stages.shuffle, stages.decode, stages.collated)
     pipe = pipe.with_epoch(batches_per_worker)
     pipe.epoch_state = stages.state
     return pipe

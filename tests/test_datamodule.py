@@ -109,6 +109,33 @@ def test_bad_samples_skipped_and_counted(bad_shards, caplog, batch_size):
     assert sum(b["num_samples"] for b in batches) == len(good)
 
 
+
+def test_training_stream_delivers_every_skip_it_counts(tmp_path):
+    """The training stream is cut by `with_epoch` after its last batch: no batch may be formed (and its skips
+    taken) beyond it, or those skips never reach the main process."""
+    write_tar(tmp_path / "half-bad.tar", [(f"s{i:03d}", _good(i) if i % 2 else
+                                           {"jpg": _img(fmt="JPEG")[:200], "txt": b"cut jpeg"}) for i in range(40)])
+    dm = WebDatasetDataModule(PROC, train_shards=str(tmp_path), batch_size=3, num_workers=0,
+                              train_samples_per_epoch=12, shuffle_buffer=0)
+    dm.setup("fit")
+    loader = dm.train_dataloader()
+    stages = loader.dataset.pipeline[-1].__self__
+    counted = Counter()
+    original = stages.counter.skip
+
+    def skip(reason, *args, **kwargs):
+        counted[reason] += 1
+        original(reason, *args, **kwargs)
+
+    stages.counter.skip = skip
+    for _ in range(2):  # two epochs: each pass closes its stream after its last batch
+        counted.clear()
+        batches = list(loader)
+        assert len(batches) == 4 and all(b["num_samples"] == 3 for b in batches)
+        assert counted["corrupt_image"] >= 9  # about one corrupt sample read per good one
+        assert sum((Counter(b["skipped"]) for b in batches), Counter()) == counted
+        assert not stages.counter.reasons  # nothing counted and left behind
+
 def test_two_workers_cover_val_set(bad_shards):
     urls, good, expected = bad_shards
     dm = _dm(urls, num_workers=2)
