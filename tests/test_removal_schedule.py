@@ -75,6 +75,21 @@ def test_schedule_with_a_floor_draws_only_prefixes_from_min_to_max():
     assert all(fixed.removed_blocks(seed) == [4, 1] for seed in range(10))  # one operating point only
 
 
+
+def test_removal_count_weights_set_how_often_each_count_is_drawn():
+    weighted = RetrofitModule(backbone="tiny:llama", backbone_kwargs=LAYERS, removal_order=[4, 1, 2, 3],
+                              max_removed_blocks=3, min_removed_blocks=1, removal_count_weights=[1, 0, 3])
+    drawn = [weighted.removed_blocks(seed) for seed in range(400)]
+    assert drawn == [weighted.removed_blocks(seed) for seed in range(400)]  # resumable: a function of the seed
+    counts = [sum(len(d) == k for d in drawn) for k in (1, 2, 3)]
+    assert counts[1] == 0 and all(d == [4, 1, 2, 3][:len(d)] for d in drawn)
+    assert 0.65 < counts[2] / 400 < 0.85  # 3 of 4 draws (binomial sd 0.022)
+    assert weighted.removed_blocks(0, largest=True) == [4, 1, 2]
+    for bad in ([1, 1], [1, -1, 1], [0, 0, 0], [1, float("nan"), 1]):
+        with pytest.raises(ValueError, match="removal_count_weights must give 3 finite weights"):
+            RetrofitModule(backbone="tiny:llama", backbone_kwargs=LAYERS, removal_order=[4, 1, 2, 3],
+                           max_removed_blocks=3, min_removed_blocks=1, removal_count_weights=bad)
+
 def test_removal_impact_ranks_blocks_and_static_calibration_follows_the_trained_order():
     module = RetrofitModule(backbone="tiny:llama", backbone_kwargs=LAYERS)
     adapter = module.adapter

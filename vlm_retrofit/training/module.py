@@ -99,6 +99,7 @@ class RetrofitModule(pl.LightningModule):
         removal_order: list[int] | Literal["impact", "joint", "span"] | None = None,
         max_removed_blocks: int = 0,
         min_removed_blocks: int = 0,
+        removal_count_weights: list[float] | None = None,
         compute_target: float | None = None,
         compute_weight: float = 10.0,
         compute_penalty: Literal["hinge", "squared"] = "squared",
@@ -189,6 +190,10 @@ class RetrofitModule(pl.LightningModule):
             min_removed_blocks: smallest k the removal schedule draws (k uniform in min..max). Equal to
                 `max_removed_blocks` trains one operating point only (e.g. the 6 blocks a 20 % static target
                 removes), which heals that point better than spreading the budget over every prefix.
+            removal_count_weights: relative weights of the counts min_removed_blocks..max_removed_blocks (one per
+                count, in that order) the removal schedule draws k from; null = uniform. E.g. `[1, 1, 1, 6, 1, 1,
+                1]` over 3..9 gives half the steps to 6 removed blocks (one operating point) and shares the rest
+                among its neighbours, so one adapter serves every count but heals the weighted one most.
             compute_target: target expected executed fraction of decoder-block compute (e.g. 0.8); null = no
                 compute penalty.
             compute_weight: weight of the compute penalty.
@@ -234,6 +239,12 @@ class RetrofitModule(pl.LightningModule):
         if not 0 <= min_removed_blocks <= max_removed_blocks:
             raise ValueError(f"min_removed_blocks must be in 0..max_removed_blocks={max_removed_blocks}, "
                              f"got {min_removed_blocks}")
+        if removal_count_weights is not None:
+            counts = max_removed_blocks - min_removed_blocks + 1
+            weights = [float(w) for w in removal_count_weights]
+            if len(weights) != counts or any(not math.isfinite(w) or w < 0 for w in weights) or not sum(weights) > 0:
+                raise ValueError(f"removal_count_weights must give {counts} finite weights >= 0, not all 0, one per "
+                                 f"count {min_removed_blocks}..{max_removed_blocks}; got {removal_count_weights!r}")
         if max_removed_blocks and removal_order is None:
             raise ValueError("max_removed_blocks needs a removal_order (a list of blocks, or 'impact')")
         if isinstance(removal_order, str) and removal_order not in ("impact", "joint", "span"):
@@ -452,7 +463,12 @@ class RetrofitModule(pl.LightningModule):
             return []
         if largest:
             return list(order[:k_max])
-        k = int(torch.randint(int(self.hparams.min_removed_blocks), k_max + 1, (), generator=torch.Generator().manual_seed(seed + 1)))
+        k_min, weights = int(self.hparams.min_removed_blocks), self.hparams.get("removal_count_weights")
+        generator = torch.Generator().manual_seed(seed + 1)
+        if weights is None:
+            k = int(torch.randint(k_min, k_max + 1, (), generator=generator))
+        else:
+            k = k_min + int(torch.multinomial(torch.tensor(weights, dtype=torch.float64), 1, generator=generator))
         return list(order[:k])
 
     def current_drop_rate(self) -> float:
