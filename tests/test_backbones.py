@@ -1,5 +1,7 @@
 """Backbone registry: every family resolves, unknown ones are refused helpfully, plug-ins register cleanly."""
 
+import copy
+
 import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
@@ -7,7 +9,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 from vlm_retrofit import BackboneSpec, RouterConfig, attach_routers, register_backbone
 from vlm_retrofit.backbones import base_fingerprint, resolve, supported_model_types
 from vlm_retrofit.backbones.registry import unregister_backbone
-from vlm_retrofit.routing import check_identity
+from vlm_retrofit.routing import AdapterMismatchError, check_fingerprint, check_identity
 from vlm_retrofit.testing import FAMILIES, tiny_inputs, tiny_vlm
 
 
@@ -73,6 +75,23 @@ def test_fingerprint_is_stable_and_tells_bases_apart():
     assert base_fingerprint(a)["text_config_sha256"] != base_fingerprint(c)["text_config_sha256"]
     assert base_fingerprint(c)["hidden_size"] == 96
 
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2_vl", "gemma3"])
+def test_fingerprint_tells_checkpoints_of_one_architecture_apart_across_dtypes(family):
+    base, _ = tiny_vlm(family)
+    fingerprint = base_fingerprint(base)
+    assert set(fingerprint["weight_samples"]) >= {"embed_tokens", "final_norm", "first_input_norm", "last_input_norm"}
+    for dtype in (torch.bfloat16, torch.float16):  # the same checkpoint loaded in another precision
+        check_fingerprint(fingerprint, base_fingerprint(copy.deepcopy(base).to(dtype)), source="adapter")
+    legacy = {k: v for k, v in fingerprint.items() if k != "weight_samples"}
+    check_fingerprint(legacy, fingerprint, source="adapter")  # written before weights were sampled
+    other = copy.deepcopy(base)
+    with torch.no_grad():  # another checkpoint of the same config: fine-tuned embeddings
+        resolve(other).get_embed_tokens(other).weight.mul_(1.05)
+    assert base_fingerprint(other)["text_config_sha256"] == fingerprint["text_config_sha256"]
+    with pytest.raises(AdapterMismatchError, match="same architecture .* but other weights"):
+        check_fingerprint(fingerprint, base_fingerprint(other), source="adapter")
 
 def test_layouts_and_bad_block_indices():
     model, processor = tiny_vlm("llava", num_hidden_layers=6)

@@ -10,6 +10,7 @@ from .registry import (
     supported_model_types,
     unregister_backbone,
     unwrap_model,
+    weights_match,
 )
 from . import families  # noqa: F401  (registers the built-in families)
 
@@ -23,4 +24,5 @@ __all__ = [
     "supported_model_types",
     "unregister_backbone",
     "unwrap_model",
+    "weights_match",
 ]

@@ -8,7 +8,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple, Sequence
 
-from torch import nn
+import torch
+from torch import Tensor, nn
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
@@ -180,8 +181,48 @@ _VOLATILE_CONFIG_KEYS = frozenset({
 })
 
 
+WEIGHT_SAMPLES = 16
+"""Values read from each fingerprinted tensor, evenly spaced through it."""
+
+
+def _fingerprinted_tensors(spec: BackboneSpec, model: nn.Module) -> dict[str, Tensor]:
+    """Language-model tensors no adapter changes (LoRA targets projections, merges fold into them): the token
+    embeddings, the first and last layers' input norms, the final norm and an untied output head."""
+    layers = spec.get_layers(model)
+    modules = {"embed_tokens": spec.get_embed_tokens(model), "final_norm": spec.get_final_norm(model),
+               "first_input_norm": getattr(layers[0], spec.input_norm_attr, None),
+               "last_input_norm": getattr(layers[-1], spec.input_norm_attr, None)}
+    head = spec.get_lm_head(model)
+    if getattr(head, "weight", None) is not modules["embed_tokens"].weight:
+        modules["lm_head"] = head
+    return {name: module.weight for name, module in modules.items()
+            if isinstance(getattr(module, "weight", None), Tensor) and not module.weight.is_meta}
+
+
+def weight_samples(model: nn.Module) -> dict[str, list[float]]:
+    """`WEIGHT_SAMPLES` values of each `_fingerprinted_tensors` tensor, rounded to bfloat16: the same for a base
+    loaded in float32, bfloat16 or float16, and different for another checkpoint of the same architecture."""
+    samples = {}
+    for name, weight in _fingerprinted_tensors(resolve(model), model).items():
+        flat = weight.detach().reshape(-1)
+        index = torch.linspace(0, flat.numel() - 1, WEIGHT_SAMPLES).round().long().to(flat.device)
+        samples[name] = flat[index].to(torch.bfloat16).float().cpu().tolist()
+    return samples
+
+
+def weights_match(saved: dict[str, list[float]], actual: dict[str, list[float]]) -> bool:
+    """The tensors both fingerprints read hold the same values, to one bfloat16 step (a float16 load of bfloat16
+    weights rounds twice)."""
+    for name in set(saved) & set(actual):
+        a, b = torch.tensor(saved[name]), torch.tensor(actual[name])
+        if a.shape != b.shape or bool(((a - b).abs() > 2 ** -7 * torch.maximum(a.abs(), b.abs()) + 1e-30).any()):
+            return False
+    return True
+
+
 def base_fingerprint(model: nn.Module) -> dict[str, Any]:
-    """What identifies the base an adapter belongs to: family, depth, width and a hash of the text config."""
+    """What identifies the base an adapter belongs to: family, depth, width, a hash of the text config, and
+    values sampled from its weights (`weight_samples`: two checkpoints of one architecture differ there)."""
     spec = resolve(model)
     text_config = spec.get_text_config(model)
     config_dict = {k: v for k, v in text_config.to_dict().items() if k not in _VOLATILE_CONFIG_KEYS}
@@ -191,6 +232,7 @@ def base_fingerprint(model: nn.Module) -> dict[str, Any]:
         "num_layers": len(spec.get_layers(model)),
         "hidden_size": int(text_config.hidden_size),
         "text_config_sha256": hashlib.sha256(canonical.encode()).hexdigest(),
+        "weight_samples": weight_samples(model),
     }
 
 

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from ..backbones import BackboneSpec, base_fingerprint, resolve, unwrap_model
+from ..backbones import BackboneSpec, base_fingerprint, resolve, unwrap_model, weights_match
 from ..files import atomic_write
 from .config import BlockLayout, RouterConfig
 from .router import DepthRouter, SkipGate
@@ -384,9 +384,18 @@ def read_adapter_config(directory: str | os.PathLike) -> dict[str, Any]:
 
 def check_fingerprint(saved: dict[str, Any], actual: dict[str, Any], *, source: str) -> None:
     """Refuse an adapter or checkpoint whose base fingerprint differs from the model's, naming both."""
-    if saved == actual:
-        return
-    differing = {k: (saved.get(k), actual.get(k)) for k in sorted(set(saved) | set(actual)) if saved.get(k) != actual.get(k)}
+    structure = {k: v for k, v in saved.items() if k != "weight_samples"}
+    if structure == {k: v for k, v in actual.items() if k != "weight_samples"}:
+        # Fingerprints written before weights were sampled have no samples: their structure is all there is.
+        if weights_match(saved.get("weight_samples") or {}, actual.get("weight_samples") or {}):
+            return
+        raise AdapterMismatchError(
+            f"{source} was made for a base of the same architecture ({saved.get('model_type')}, "
+            f"{saved.get('num_layers')} layers, hidden {saved.get('hidden_size')}) but other weights: the values it "
+            "recorded from the embeddings and norms differ from the given model's (another checkpoint, e.g. the "
+            "base instead of the instruct model, or a fine-tune). Load the base it was trained on.")
+    differing = {k: (saved.get(k), actual.get(k)) for k in sorted(set(structure) | set(actual) - {"weight_samples"})
+                 if saved.get(k) != actual.get(k)}
     details = "; ".join(f"{k}: saved {a!r} vs model {b!r}" for k, (a, b) in differing.items())
     raise AdapterMismatchError(
         f"{source} was made for a different base model ({saved.get('model_type')}, {saved.get('num_layers')} layers, "
