@@ -51,6 +51,29 @@ def test_distillation_kl_is_the_masked_tempered_kl():
     assert empty == 0 and student.grad is not None and student.grad.abs().sum() == 0
 
 
+
+@pytest.mark.parametrize("dtype,temperature", [(torch.float32, 1.0), (torch.float32, 2.0), (torch.bfloat16, 1.0)])
+def test_chunked_kl_equals_autograd_through_log_softmax_in_value_and_gradient(monkeypatch, dtype, temperature):
+    import vlm_retrofit.training.losses as losses
+
+    monkeypatch.setattr(losses, "KL_CHUNK_ELEMENTS", 3 * 97)  # 3 positions a chunk: 7 chunks over 19 positions
+    torch.manual_seed(0)
+    student = (3 * torch.randn(4, 6, 97)).to(dtype).requires_grad_(True)
+    teacher = (3 * torch.randn(4, 6, 97)).to(dtype).requires_grad_(True)
+    mask = torch.rand(4, 6) < 0.8
+    reference_student = student.detach().clone().requires_grad_(True)
+    log_s = torch.log_softmax(reference_student[mask].float() / temperature, -1)
+    log_t = torch.log_softmax(teacher.detach()[mask].float() / temperature, -1)
+    reference = torch.nn.functional.kl_div(log_s, log_t, reduction="none", log_target=True).sum(-1).mean()
+    (reference * temperature ** 2).backward()
+    value = distillation_kl(student, teacher, mask, temperature)
+    value.backward()
+    torch.testing.assert_close(value, reference * temperature ** 2, rtol=1e-5, atol=1e-6)
+    assert student.grad.dtype == dtype and teacher.grad is None  # the teacher is a target
+    tolerance = dict(rtol=2e-2, atol=1e-4) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(student.grad, reference_student.grad, **tolerance)
+    assert student.grad[~mask].abs().sum() == 0
+
 def test_compute_penalty_drop_schedule_and_lr_schedule():
     expected = torch.tensor(0.9, requires_grad=True)
     assert compute_penalty(expected, None, 5.0) == 0
