@@ -8,7 +8,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 
 from vlm_retrofit import BackboneSpec, RouterConfig, attach_routers, register_backbone
 from vlm_retrofit.backbones import base_fingerprint, resolve, supported_model_types
-from vlm_retrofit.backbones.registry import unregister_backbone
+from vlm_retrofit.backbones.registry import evenly_spaced, unregister_backbone
 from vlm_retrofit.routing import AdapterMismatchError, check_fingerprint, check_identity
 from vlm_retrofit.testing import FAMILIES, tiny_inputs, tiny_vlm
 
@@ -84,6 +84,7 @@ def test_fingerprint_tells_checkpoints_of_one_architecture_apart_across_dtypes(f
     assert set(fingerprint["weight_samples"]) >= {"embed_tokens", "final_norm", "first_input_norm", "last_input_norm"}
     for dtype in (torch.bfloat16, torch.float16):  # the same checkpoint loaded in another precision
         check_fingerprint(fingerprint, base_fingerprint(copy.deepcopy(base).to(dtype)), source="adapter")
+    assert evenly_spaced(28_312_128, 16).tolist()[-1] == 28_312_127  # SmolLM2's embeddings: past float32's 2^24
     legacy = {k: v for k, v in fingerprint.items() if k != "weight_samples"}
     check_fingerprint(legacy, fingerprint, source="adapter")  # written before weights were sampled
     other = copy.deepcopy(base)

@@ -199,13 +199,19 @@ def _fingerprinted_tensors(spec: BackboneSpec, model: nn.Module) -> dict[str, Te
             if isinstance(getattr(module, "weight", None), Tensor) and not module.weight.is_meta}
 
 
+def evenly_spaced(numel: int, count: int) -> Tensor:
+    """`count` indices from 0 to `numel - 1` inclusive, in integers (a float32 linspace rounds past the end of a
+    tensor of more than 2^24 elements)."""
+    return torch.arange(count, dtype=torch.int64) * (numel - 1) // max(1, count - 1)
+
+
 def weight_samples(model: nn.Module) -> dict[str, list[float]]:
     """`WEIGHT_SAMPLES` values of each `_fingerprinted_tensors` tensor, rounded to bfloat16: the same for a base
     loaded in float32, bfloat16 or float16, and different for another checkpoint of the same architecture."""
     samples = {}
     for name, weight in _fingerprinted_tensors(resolve(model), model).items():
         flat = weight.detach().reshape(-1)
-        index = torch.linspace(0, flat.numel() - 1, WEIGHT_SAMPLES).round().long().to(flat.device)
+        index = evenly_spaced(flat.numel(), WEIGHT_SAMPLES).to(flat.device)
         samples[name] = flat[index].to(torch.bfloat16).float().cpu().tolist()
     return samples
 
