@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from vlm_retrofit.skipping import PatternPolicy, SkipController
-from vlm_retrofit.testing import tiny_vlm
+from vlm_retrofit.testing import tiny_inputs, tiny_vlm
 from vlm_retrofit.training import FixedBatchDataModule, RetrofitModule, compute_penalty, distillation_kl, drop_rate_at
 from vlm_retrofit.training.optim import base_lr, lr_lambda, parameter_groups
 
@@ -73,6 +73,28 @@ def test_chunked_kl_equals_autograd_through_log_softmax_in_value_and_gradient(mo
     tolerance = dict(rtol=2e-2, atol=1e-4) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(student.grad, reference_student.grad, **tolerance)
     assert student.grad[~mask].abs().sum() == 0
+
+
+@pytest.mark.parametrize("torch_dtype", [None, "bfloat16"])
+def test_lora_inputs_uncast_under_autocast_give_the_same_logits(torch_dtype):
+    module = RetrofitModule(backbone="tiny:llama", torch_dtype=torch_dtype, train_routers=False, max_drop_rate=0.0,
+                            lora={"r": 4, "target_modules": ["q_proj", "down_proj"]}, removal_order=[1],
+                            max_removed_blocks=1)
+    with torch.no_grad():  # a LoRA that does something
+        for name, param in module.model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.1)
+    inputs = tiny_inputs(module.processor, batch=2)
+    assert len(module._lora_layers) == 4 * 2  # 4 layers x 2 targets
+    casting = []
+    module._lora_layers[0].register_forward_pre_hook(lambda layer, args: casting.append(layer.cast_input_dtype_enabled))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        peft_default = module.model(**inputs).logits
+        uncast = module._forward(dict(inputs), None).logits
+    assert torch.equal(uncast, peft_default) and casting == [True, False]
+    assert all(layer.cast_input_dtype_enabled for layer in module._lora_layers)  # restored
+    with torch.no_grad():  # outside autocast the cast stays (bf16 inputs, fp32 LoRA weights)
+        module._forward(dict(inputs), None)
 
 def test_compute_penalty_drop_schedule_and_lr_schedule():
     expected = torch.tensor(0.9, requires_grad=True)

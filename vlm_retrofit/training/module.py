@@ -29,6 +29,7 @@ from .checkpoint import CHECKPOINT_KEY, check_checkpoint, checkpoint_metadata, r
 from .losses import (PENALTIES, compute_penalty, distillation_kl, drop_rate_at, hidden_state_distillation,
                      routing_entropies)
 from .optim import SCHEDULES, base_lr, build_optimizer, lr_lambda
+from .precision import autocast_lora_inputs, lora_layers
 
 log = logging.getLogger("vlm_retrofit.training")
 
@@ -285,6 +286,7 @@ class RetrofitModule(pl.LightningModule):
             model = get_peft_model(model, LoraConfig(**dict(lora)))
             model.eval()  # new LoRA layers start in train mode; the whole backbone runs in eval mode
         self.model = model
+        self._lora_layers = lora_layers(model)
         self.processor = processor
         self.adapter = attach_routers(model, router_cfg)
         if not train_routers:
@@ -502,7 +504,8 @@ class RetrofitModule(pl.LightningModule):
             inputs = {**inputs, "logits_to_keep": keep}
         if self.hparams.hidden_weight:
             inputs = {**inputs, "output_hidden_states": True}
-        return self.model(**inputs)
+        with autocast_lora_inputs(self._lora_layers, self.device.type):
+            return self.model(**inputs)
 
     def hidden_state_pairs(self, removed: list[int]) -> list[tuple[int, int]]:
         """(student, teacher) indices into `hidden_states` of the layer outputs the hidden-state term compares
