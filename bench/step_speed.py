@@ -1,0 +1,85 @@
+"""Healing step time on the real VLM: this code's training step vs the reference path (autograd KL, PEFT casts).
+
+    python -m bench.step_speed                 # the shipped recipe (configs/smollm2-tuxpaint-long.yaml), 12 batches
+    python -m bench.step_speed --batches 20 --config configs/smollm2-tuxpaint.yaml
+
+The same training batches run through `RetrofitModule.compute_loss` + backward under bf16 autocast, alternating
+batch by batch between the two paths (the machine's drift hits both), and the loss of each pair is compared: the
+paths compute the same thing. Prints the seconds per step of each and their ratio. Needs the bench build.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import itertools
+import statistics
+import time
+from typing import Iterator
+
+import torch
+import yaml
+
+import vlm_retrofit.training.module as module_code
+from datamodules import WebDatasetDataModule
+from vlm_retrofit.training import RetrofitModule
+
+from .kl_speed import reference_kl
+
+
+@contextlib.contextmanager
+def reference_path(module: RetrofitModule) -> Iterator[None]:
+    """The step as it ran before the chunked KL and the uncast LoRA inputs."""
+    kl, layers = module_code.distillation_kl, module._lora_layers
+    module_code.distillation_kl, module._lora_layers = reference_kl, []
+    try:
+        yield
+    finally:
+        module_code.distillation_kl, module._lora_layers = kl, layers
+
+
+def timed_step(module: RetrofitModule, batch, seed: int) -> tuple[float, float]:
+    start = time.perf_counter()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = module.compute_loss(batch, drop_rate=0.0, seed=seed)
+    out.loss.backward()
+    module.zero_grad(set_to_none=True)
+    return time.perf_counter() - start, float(out.loss.detach())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.step_speed", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="configs/smollm2-tuxpaint-long.yaml")
+    parser.add_argument("--batches", type=int, default=12, help="timed batches, each run by both paths")
+    args = parser.parse_args(argv)
+    config = yaml.safe_load(open(args.config))
+    if config["model"].get("model_class", "").count("."):
+        importlib.import_module(config["model"]["model_class"].rsplit(".", 1)[0])
+    module = RetrofitModule(**config["model"])
+    data = dict(config["data"]["init_args"], num_workers=0)
+    datamodule = WebDatasetDataModule(processor=config["model"]["backbone"], **data)
+    datamodule.setup("fit")
+    batches = list(itertools.islice(datamodule.train_dataloader(), args.batches + 1))
+    timed_step(module, batches[0], 0)  # warm-up
+    with reference_path(module):
+        timed_step(module, batches[0], 0)
+    seconds: dict[str, list[float]] = {"reference": [], "this code": []}
+    for index, batch in enumerate(batches[1:], start=1):
+        with reference_path(module):
+            reference, reference_loss = timed_step(module, batch, index)
+        current, loss = timed_step(module, batch, index)
+        if abs(loss - reference_loss) > 1e-3 * max(1.0, abs(reference_loss)):
+            raise SystemExit(f"bench.step_speed: the two paths disagree on batch {index}: {loss} vs {reference_loss}")
+        seconds["reference"].append(reference)
+        seconds["this code"].append(current)
+    total = {k: sum(v) for k, v in seconds.items()}
+    print(f"{args.config}: {args.batches} batches of {data['batch_size']}, bf16 autocast, {torch.get_num_threads()} threads")
+    for name, values in seconds.items():
+        print(f"  {name:>9}: {total[name] / len(values):.3f} s/step (median {statistics.median(values):.3f})")
+    print(f"  ratio this code / reference: {total['this code'] / total['reference']:.3f} (total time)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
