@@ -384,8 +384,8 @@ def read_adapter_config(directory: str | os.PathLike) -> dict[str, Any]:
 
 def check_fingerprint(saved: dict[str, Any], actual: dict[str, Any], *, source: str) -> None:
     """Refuse an adapter or checkpoint whose base fingerprint differs from the model's, naming both."""
-    structure = {k: v for k, v in saved.items() if k != "weight_samples"}
-    if structure == {k: v for k, v in actual.items() if k != "weight_samples"}:
+    saved_structure, structure = ({k: v for k, v in f.items() if k != "weight_samples"} for f in (saved, actual))
+    if saved_structure == structure:
         # Fingerprints written before weights were sampled have no samples: their structure is all there is.
         if weights_match(saved.get("weight_samples") or {}, actual.get("weight_samples") or {}):
             return
@@ -394,7 +394,7 @@ def check_fingerprint(saved: dict[str, Any], actual: dict[str, Any], *, source: 
             f"{saved.get('num_layers')} layers, hidden {saved.get('hidden_size')}) but other weights: the values it "
             "recorded from the embeddings and norms differ from the given model's (another checkpoint, e.g. the "
             "base instead of the instruct model, or a fine-tune). Load the base it was trained on.")
-    differing = {k: (saved.get(k), actual.get(k)) for k in sorted(set(structure) | set(actual) - {"weight_samples"})
+    differing = {k: (saved.get(k), actual.get(k)) for k in sorted(set(saved_structure) | set(structure))
                  if saved.get(k) != actual.get(k)}
     details = "; ".join(f"{k}: saved {a!r} vs model {b!r}" for k, (a, b) in differing.items())
     raise AdapterMismatchError(
