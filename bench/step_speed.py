@@ -40,6 +40,7 @@ def reference_path(module: RetrofitModule) -> Iterator[None]:
 
 
 def timed_step(module: RetrofitModule, batch, seed: int) -> tuple[float, float]:
+    """Seconds of one loss + backward under bf16 autocast, and the loss."""
     start = time.perf_counter()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = module.compute_loss(batch, drop_rate=0.0, seed=seed)
@@ -49,13 +50,15 @@ def timed_step(module: RetrofitModule, batch, seed: int) -> tuple[float, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Time both paths on the same batches; refuse if their losses disagree."""
     parser = argparse.ArgumentParser(prog="python -m bench.step_speed", description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="configs/smollm2-tuxpaint-long.yaml")
     parser.add_argument("--batches", type=int, default=12, help="timed batches, each run by both paths")
     args = parser.parse_args(argv)
     config = yaml.safe_load(open(args.config))
-    if config["model"].get("model_class", "").count("."):
-        importlib.import_module(config["model"]["model_class"].rsplit(".", 1)[0])
+    model_class = config["model"].get("model_class") or ""
+    if "." in model_class:  # a registered custom class: importing its module registers it
+        importlib.import_module(model_class.rsplit(".", 1)[0])
     module = RetrofitModule(**config["model"])
     data = dict(config["data"]["init_args"], num_workers=0)
     datamodule = WebDatasetDataModule(processor=config["model"]["backbone"], **data)

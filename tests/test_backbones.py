@@ -7,7 +7,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from vlm_retrofit import BackboneSpec, RouterConfig, attach_routers, register_backbone
-from vlm_retrofit.backbones import base_fingerprint, resolve, supported_model_types
+from vlm_retrofit.backbones import base_fingerprint, resolve, supported_model_types, unchanged_fingerprint
 from vlm_retrofit.backbones.registry import evenly_spaced, unregister_backbone
 from vlm_retrofit.routing import AdapterMismatchError, check_fingerprint, check_identity
 from vlm_retrofit.testing import FAMILIES, tiny_inputs, tiny_vlm
@@ -93,6 +93,26 @@ def test_fingerprint_tells_checkpoints_of_one_architecture_apart_across_dtypes(f
     assert base_fingerprint(other)["text_config_sha256"] == fingerprint["text_config_sha256"]
     with pytest.raises(AdapterMismatchError, match="same architecture .* but other weights"):
         check_fingerprint(fingerprint, base_fingerprint(other), source="adapter")
+
+
+def test_fingerprint_reads_the_base_under_peft_wrappers_and_releases_drop_what_a_merge_changed():
+    from peft import LoraConfig, get_peft_model
+
+    base, _ = tiny_vlm("llama", tie_word_embeddings=False)
+    fingerprint = base_fingerprint(base)
+    assert "lm_head" in fingerprint["weight_samples"]
+    wrapped = get_peft_model(copy.deepcopy(base), LoraConfig(r=2, target_modules=["q_proj"], modules_to_save=["lm_head"]))
+    with torch.no_grad():  # the trained copy of the head moves; the base's does not
+        for name, param in wrapped.named_parameters():
+            if "modules_to_save" in name:
+                param.mul_(1.5)
+    check_fingerprint(fingerprint, base_fingerprint(wrapped), source="adapter")
+    merged = wrapped.merge_and_unload()  # the release's weights: the trained head
+    with pytest.raises(AdapterMismatchError, match="recorded from lm_head differ"):
+        check_fingerprint(fingerprint, base_fingerprint(merged), source="release")
+    kept = unchanged_fingerprint(fingerprint, merged)
+    assert set(kept["weight_samples"]) == set(fingerprint["weight_samples"]) - {"lm_head"}
+    check_fingerprint(kept, base_fingerprint(merged), source="release")
 
 def test_layouts_and_bad_block_indices():
     model, processor = tiny_vlm("llava", num_hidden_layers=6)

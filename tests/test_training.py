@@ -52,7 +52,8 @@ def test_distillation_kl_is_the_masked_tempered_kl():
 
 
 
-@pytest.mark.parametrize("dtype,temperature", [(torch.float32, 1.0), (torch.float32, 2.0), (torch.bfloat16, 1.0)])
+@pytest.mark.parametrize("dtype,temperature", [(torch.float32, 1.0), (torch.float32, 2.0), (torch.bfloat16, 1.0),
+                                               (torch.float16, 1.0)])
 def test_chunked_kl_equals_autograd_through_log_softmax_in_value_and_gradient(monkeypatch, dtype, temperature):
     import vlm_retrofit.training.losses as losses
 
@@ -70,10 +71,27 @@ def test_chunked_kl_equals_autograd_through_log_softmax_in_value_and_gradient(mo
     value.backward()
     torch.testing.assert_close(value, reference * temperature ** 2, rtol=1e-5, atol=1e-6)
     assert student.grad.dtype == dtype and teacher.grad is None  # the teacher is a target
-    tolerance = dict(rtol=2e-2, atol=1e-4) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-7)
+    tolerance = dict(rtol=2e-2, atol=1e-4) if dtype != torch.float32 else dict(rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(student.grad, reference_student.grad, **tolerance)
     assert student.grad[~mask].abs().sum() == 0
+    with torch.no_grad():  # no gradient held where none can flow
+        assert distillation_kl(student, teacher, mask, temperature).grad_fn is None
 
+
+
+def test_chunked_kl_keeps_the_gradient_tail_that_an_fp16_loss_scale_lifts():
+    """fp16 mixed precision scales the loss (here 2^16) so that gradients below fp16's range survive: the KL must
+    not round its gradient to fp16 before the scale reaches it."""
+    torch.manual_seed(0)
+    student = (12 * torch.randn(3, 64)).half().requires_grad_(True)  # wide logits: a tail of tiny probabilities
+    teacher = (12 * torch.randn(3, 64)).half()
+    scale = 2.0 ** 16
+    (distillation_kl(student, teacher) * scale).backward()
+    s, t = student.detach().double(), teacher.double()
+    expected = (torch.softmax(s, -1) - torch.softmax(t, -1)) / s.shape[0] * scale
+    tail = (expected.abs() < 2 ** -24 * scale) & (expected.abs() > 2 ** -14)  # fp16-flushed unscaled, normal scaled
+    assert tail.sum() >= 5
+    torch.testing.assert_close(student.grad.double()[tail], expected[tail], rtol=2e-2, atol=0)
 
 @pytest.mark.parametrize("torch_dtype", [None, "bfloat16"])
 def test_lora_inputs_uncast_under_autocast_give_the_same_logits(torch_dtype):

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from .backbones import base_fingerprint, unwrap_model
+from .backbones import base_fingerprint, unchanged_fingerprint, unwrap_model
 from .backbones.loading import RELEASE_CONFIG, load_backbone, load_processor
 from .files import staged_folder
 from .routing import AdapterMismatchError, RouterAdapter, RouterConfig, attach_routers, check_fingerprint
@@ -282,6 +282,8 @@ def _write_release(loaded: Loaded, directory: Path, merge_lora: bool, full_weigh
             changed = _lora_base_weight_keys(model)
             model = model.merge_and_unload()  # the router hooks sit on layer instances and survive this
             lora_mode = "merged"
+            # The release loads as these merged weights: a LoRA on the head or the embeddings changed samples there.
+            loaded.adapter.fingerprint = unchanged_fingerprint(loaded.adapter.fingerprint, model)
             if not full_weights:
                 state = model.state_dict()
                 save_file({k: state[k].detach().cpu().contiguous() for k in changed}, str(directory / MERGED_LORA),

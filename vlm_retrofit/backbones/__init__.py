@@ -4,13 +4,14 @@ from .registry import (
     AttentionParts,
     BackboneSpec,
     base_fingerprint,
+    differing_weights,
     model_type_of,
     register_backbone,
     resolve,
     supported_model_types,
     unregister_backbone,
+    unchanged_fingerprint,
     unwrap_model,
-    weights_match,
 )
 from . import families  # noqa: F401  (registers the built-in families)
 
@@ -18,11 +19,12 @@ __all__ = [
     "AttentionParts",
     "BackboneSpec",
     "base_fingerprint",
+    "differing_weights",
     "model_type_of",
     "register_backbone",
     "resolve",
     "supported_model_types",
     "unregister_backbone",
+    "unchanged_fingerprint",
     "unwrap_model",
-    "weights_match",
 ]

@@ -192,11 +192,18 @@ def _fingerprinted_tensors(spec: BackboneSpec, model: nn.Module) -> dict[str, Te
     modules = {"embed_tokens": spec.get_embed_tokens(model), "final_norm": spec.get_final_norm(model),
                "first_input_norm": getattr(layers[0], spec.input_norm_attr, None),
                "last_input_norm": getattr(layers[-1], spec.input_norm_attr, None)}
-    head = spec.get_lm_head(model)
-    if getattr(head, "weight", None) is not modules["embed_tokens"].weight:
-        modules["lm_head"] = head
-    return {name: module.weight for name, module in modules.items()
-            if isinstance(getattr(module, "weight", None), Tensor) and not module.weight.is_meta}
+    modules["lm_head"] = spec.get_lm_head(model)
+    weights = {}
+    for name, module in modules.items():
+        # PEFT's wrappers (modules_to_save, trainable tokens) answer `.weight` with the trained copy: the base's is
+        # the original module's.
+        original = getattr(module, "original_module", None)
+        module = module if original is None else original
+        weight = getattr(module, "weight", None)
+        if isinstance(weight, Tensor) and not weight.is_meta and weight.numel() and not any(
+                weight is other for other in weights.values()):  # a tied head is the embeddings
+            weights[name] = weight
+    return weights
 
 
 def evenly_spaced(numel: int, count: int) -> Tensor:
@@ -216,14 +223,25 @@ def weight_samples(model: nn.Module) -> dict[str, list[float]]:
     return samples
 
 
-def weights_match(saved: dict[str, list[float]], actual: dict[str, list[float]]) -> bool:
-    """The tensors both fingerprints read hold the same values, to one bfloat16 step (a float16 load of bfloat16
-    weights rounds twice)."""
-    for name in set(saved) & set(actual):
+def differing_weights(saved: dict[str, list[float]], actual: dict[str, list[float]]) -> list[str]:
+    """The tensors both fingerprints read whose values differ by more than one bfloat16 step (a float16 load of
+    bfloat16 weights rounds twice; below float16's normal range, by more than its smallest step)."""
+    differing = []
+    for name in sorted(set(saved) & set(actual)):
         a, b = torch.tensor(saved[name]), torch.tensor(actual[name])
-        if a.shape != b.shape or bool(((a - b).abs() > 2 ** -7 * torch.maximum(a.abs(), b.abs()) + 1e-30).any()):
-            return False
-    return True
+        if a.shape != b.shape or bool(((a - b).abs() > 2 ** -7 * torch.maximum(a.abs(), b.abs()) + 2 ** -24).any()):
+            differing.append(name)
+    return differing
+
+
+def unchanged_fingerprint(fingerprint: dict[str, Any], model: nn.Module) -> dict[str, Any]:
+    """`fingerprint` without the weight samples `model` no longer matches: what a release whose weights were merged
+    into (a LoRA on the head or the embeddings) can still be checked by."""
+    samples = fingerprint.get("weight_samples")
+    if not samples:
+        return dict(fingerprint)
+    changed = set(differing_weights(samples, weight_samples(model)))
+    return {**fingerprint, "weight_samples": {k: v for k, v in samples.items() if k not in changed}}
 
 
 def base_fingerprint(model: nn.Module) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from ..backbones import BackboneSpec, base_fingerprint, resolve, unwrap_model, weights_match
+from ..backbones import BackboneSpec, base_fingerprint, differing_weights, resolve, unwrap_model
 from ..files import atomic_write
 from .config import BlockLayout, RouterConfig
 from .router import DepthRouter, SkipGate
@@ -387,13 +387,14 @@ def check_fingerprint(saved: dict[str, Any], actual: dict[str, Any], *, source: 
     saved_structure, structure = ({k: v for k, v in f.items() if k != "weight_samples"} for f in (saved, actual))
     if saved_structure == structure:
         # Fingerprints written before weights were sampled have no samples: their structure is all there is.
-        if weights_match(saved.get("weight_samples") or {}, actual.get("weight_samples") or {}):
+        differing = differing_weights(saved.get("weight_samples") or {}, actual.get("weight_samples") or {})
+        if not differing:
             return
         raise AdapterMismatchError(
             f"{source} was made for a base of the same architecture ({saved.get('model_type')}, "
             f"{saved.get('num_layers')} layers, hidden {saved.get('hidden_size')}) but other weights: the values it "
-            "recorded from the embeddings and norms differ from the given model's (another checkpoint, e.g. the "
-            "base instead of the instruct model, or a fine-tune). Load the base it was trained on.")
+            f"recorded from {', '.join(differing)} differ from the given model's (another checkpoint, e.g. the base "
+            "instead of the instruct model, or a fine-tune). Load the base it was trained on.")
     differing = {k: (saved.get(k), actual.get(k)) for k in sorted(set(saved_structure) | set(structure))
                  if saved.get(k) != actual.get(k)}
     details = "; ".join(f"{k}: saved {a!r} vs model {b!r}" for k, (a, b) in differing.items())

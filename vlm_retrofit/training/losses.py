@@ -18,15 +18,19 @@ class _ChunkedKL(torch.autograd.Function):
     """Per-position `T^2 * KL(softmax(t/T) || softmax(s/T))` of [N, V] logits, in fp32 chunks of positions.
 
     The gradient is known when the value is: `d/ds = T * (softmax(s/T) - softmax(t/T))` per position, times the
-    caller's weight for it. Forward writes it once, in the student logits' dtype, so backward is one multiply and
-    no [N, V] fp32 tensor outlives its chunk (autograd through log_softmax + kl_div keeps several and runs a
-    dozen passes over them). The teacher gets no gradient.
+    caller's weight for it. Forward writes it once, so no [N, V] fp32 tensor outlives its chunk (autograd through
+    log_softmax + kl_div keeps several and runs a dozen passes over them). It is held in the student logits' dtype,
+    bfloat16 for float16 logits: the loss scale of fp16 mixed precision is applied only in backward, and fp16
+    would flush the small entries before it. Backward scales it in fp32, chunk by chunk. The teacher gets no
+    gradient.
     """
 
     @staticmethod
-    def forward(ctx, student: Tensor, teacher: Tensor, temperature: float) -> Tensor:
+    def forward(ctx, student: Tensor, teacher: Tensor, temperature: float, needs_grad: bool) -> Tensor:
+        """Rows of the KL [N] (fp32); with `needs_grad`, the gradient for backward."""
         rows = student.new_empty(student.shape[0], dtype=torch.float32)
-        grad = torch.empty_like(student) if ctx.needs_input_grad[0] else None
+        held_dtype = torch.bfloat16 if student.dtype == torch.float16 else student.dtype
+        grad = torch.empty_like(student, dtype=held_dtype) if needs_grad else None
         chunk = max(1, KL_CHUNK_ELEMENTS // max(1, student.shape[-1]))
         for begin in range(0, student.shape[0], chunk):
             s, t = student[begin:begin + chunk].float(), teacher[begin:begin + chunk].float()
@@ -38,15 +42,21 @@ class _ChunkedKL(torch.autograd.Function):
             if grad is not None:
                 grad[begin:begin + chunk] = (log_s.exp_().sub_(p_t)).mul_(temperature)
         ctx.save_for_backward(grad)
+        ctx.student_dtype, ctx.chunk = student.dtype, chunk
         return rows
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_rows: Tensor):
+        """The held gradient times each row's weight (the mean's 1/N, any loss scale), in fp32."""
         (grad,) = ctx.saved_tensors
         if grad is None:
-            return None, None, None
-        return grad * grad_rows.unsqueeze(-1).to(grad.dtype), None, None
+            return None, None, None, None
+        out = torch.empty_like(grad, dtype=ctx.student_dtype)
+        weights = grad_rows.float().unsqueeze(-1)
+        for begin in range(0, grad.shape[0], ctx.chunk):
+            out[begin:begin + ctx.chunk] = grad[begin:begin + ctx.chunk].float() * weights[begin:begin + ctx.chunk]
+        return out, None, None, None
 
 
 def distillation_kl(student_logits: Tensor, teacher_logits: Tensor, mask: Tensor | None = None,
@@ -67,7 +77,8 @@ def distillation_kl(student_logits: Tensor, teacher_logits: Tensor, mask: Tensor
     teacher = teacher_logits.reshape(-1, teacher_logits.shape[-1]).detach()
     if student.shape[0] == 0:
         return student.float().sum() * 0.0
-    return _ChunkedKL.apply(student, teacher, float(temperature)).mean()
+    needs_grad = student.requires_grad and torch.is_grad_enabled()  # not under no_grad, e.g. validation
+    return _ChunkedKL.apply(student, teacher, float(temperature), needs_grad).mean()
 
 
 def hidden_state_distillation(student_states: Sequence[Tensor], teacher_states: Sequence[Tensor],

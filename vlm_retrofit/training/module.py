@@ -191,10 +191,10 @@ class RetrofitModule(pl.LightningModule):
             min_removed_blocks: smallest k the removal schedule draws (k uniform in min..max). Equal to
                 `max_removed_blocks` trains one operating point only (e.g. the 6 blocks a 20 % static target
                 removes), which heals that point better than spreading the budget over every prefix.
-            removal_count_weights: relative weights of the counts min_removed_blocks..max_removed_blocks (one per
-                count, in that order) the removal schedule draws k from; null = uniform. E.g. `[1, 1, 1, 6, 1, 1,
-                1]` over 3..9 gives half the steps to 6 removed blocks (one operating point) and shares the rest
-                among its neighbours, so one adapter serves every count but heals the weighted one most.
+            removal_count_weights: relative weights (> 0) of the counts min_removed_blocks..max_removed_blocks
+                (one per count, in that order) the removal schedule draws k from; null = uniform. E.g. `[1, 1, 1,
+                6, 1, 1, 1]` over 3..9 draws 6 removed blocks on half the steps and shares the rest among the
+                other counts: one adapter for every count, with more of the steps on one operating point.
             compute_target: target expected executed fraction of decoder-block compute (e.g. 0.8); null = no
                 compute penalty.
             compute_weight: weight of the compute penalty.
@@ -243,9 +243,11 @@ class RetrofitModule(pl.LightningModule):
         if removal_count_weights is not None:
             counts = max_removed_blocks - min_removed_blocks + 1
             weights = [float(w) for w in removal_count_weights]
-            if len(weights) != counts or any(not math.isfinite(w) or w < 0 for w in weights) or not sum(weights) > 0:
-                raise ValueError(f"removal_count_weights must give {counts} finite weights >= 0, not all 0, one per "
-                                 f"count {min_removed_blocks}..{max_removed_blocks}; got {removal_count_weights!r}")
+            # > 0: every count in min..max is recorded as trained (a release of it is accepted), so each is drawn.
+            if len(weights) != counts or any(not math.isfinite(w) or w <= 0 for w in weights):
+                raise ValueError(f"removal_count_weights must give {counts} finite weights > 0, one per count "
+                                 f"{min_removed_blocks}..{max_removed_blocks} (narrow the range to leave a count "
+                                 f"out); got {removal_count_weights!r}")
         if max_removed_blocks and removal_order is None:
             raise ValueError("max_removed_blocks needs a removal_order (a list of blocks, or 'impact')")
         if isinstance(removal_order, str) and removal_order not in ("impact", "joint", "span"):

@@ -25,7 +25,9 @@ def autocast_lora_inputs(layers: list[nn.Module], device_type: str) -> Iterator[
     PEFT casts each LoRA input to its weights' dtype (fp32 here: the frozen base is bf16, the LoRA trains in
     fp32), and autocast then casts it back to bf16 for the matmul: two copies of the activations per adapted
     projection, forward and backward, for the same numbers. Outside autocast the cast is needed (a bf16 input
-    and fp32 weights cannot multiply) and is left on.
+    and fp32 weights cannot multiply) and is left on. `peft.helpers.disable_input_dtype_casting` does the same
+    for a whole model but walks its every module (thousands) on each call; `layers` is listed once. The flags are
+    per layer: a forward of the same model in another thread, outside autocast, would see them off.
     """
     if not layers or not torch.is_autocast_enabled(device_type):
         yield
