@@ -23,7 +23,8 @@ from .stream import SourceStack, StreamState
 ADAPTER_TYPE = "vlm_retrofit.attnres_router"
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""2: the base fingerprint holds weight samples (1 read on: its fingerprint is compared by structure)."""
 FINAL = "final"
 CACHELESS_LAYERS = "_vlm_retrofit_cacheless_layers"
 """Attribute a skip context sets on a KV cache: the layers it wrote no K/V for (statically removed)."""
