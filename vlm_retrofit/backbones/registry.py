@@ -186,13 +186,13 @@ WEIGHT_SAMPLES = 16
 
 
 def _fingerprinted_tensors(spec: BackboneSpec, model: nn.Module) -> dict[str, Tensor]:
-    """Language-model tensors no adapter changes (LoRA targets projections, merges fold into them): the token
-    embeddings, the first and last layers' input norms, the final norm and an untied output head."""
+    """Language-model tensors routers and the usual LoRA targets (projections) leave alone: the token embeddings,
+    the first and last layers' input norms, the final norm and an untied output head (a merge that changes one
+    of them records the rest: `unchanged_fingerprint`)."""
     layers = spec.get_layers(model)
     modules = {"embed_tokens": spec.get_embed_tokens(model), "final_norm": spec.get_final_norm(model),
                "first_input_norm": getattr(layers[0], spec.input_norm_attr, None),
-               "last_input_norm": getattr(layers[-1], spec.input_norm_attr, None)}
-    modules["lm_head"] = spec.get_lm_head(model)
+               "last_input_norm": getattr(layers[-1], spec.input_norm_attr, None), "lm_head": spec.get_lm_head(model)}
     weights = {}
     for name, module in modules.items():
         # PEFT's wrappers (modules_to_save, trainable tokens) answer `.weight` with the trained copy: the base's is

@@ -467,7 +467,7 @@ class RetrofitModule(pl.LightningModule):
             return []
         if largest:
             return list(order[:k_max])
-        k_min, weights = int(self.hparams.min_removed_blocks), self.hparams.get("removal_count_weights")
+        k_min, weights = int(self.hparams.min_removed_blocks), self.hparams.removal_count_weights
         generator = torch.Generator().manual_seed(seed + 1)
         if weights is None:
             k = int(torch.randint(k_min, k_max + 1, (), generator=generator))
