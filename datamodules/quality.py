@@ -88,11 +88,13 @@ class DataQualityTracker:
     def __init__(self) -> None:
         self.skipped: Counter[str] = Counter()
         self.shards: Counter[str] = Counter()
+        self.sources: Counter[int] = Counter()
         self.num_good = 0
 
     def update(self, batch: Mapping[str, Any]) -> None:
         self.skipped.update({k: int(v) for k, v in (batch.get("skipped") or {}).items()})
         self.shards.update({k: int(v) for k, v in (batch.get("skipped_shards") or {}).items()})
+        self.sources.update({int(k): int(v) for k, v in (batch.get("source_samples") or {}).items()})
         n = batch.get("num_samples")
         if n is None and "input_ids" in batch:
             n = len(batch["input_ids"])
@@ -103,11 +105,13 @@ class DataQualityTracker:
         return {r: int(self.skipped.get(r, 0)) for r in (*REASONS, *sorted(set(self.skipped) - set(REASONS)))}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"skipped": dict(self.skipped), "shards": dict(self.shards), "num_good": self.num_good}
+        return {"skipped": dict(self.skipped), "shards": dict(self.shards), "sources": dict(self.sources),
+                "num_good": self.num_good}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.skipped = Counter(state.get("skipped", {}))
         self.shards = Counter(state.get("shards", {}))
+        self.sources = Counter({int(k): int(v) for k, v in state.get("sources", {}).items()})
         self.num_good = int(state.get("num_good", 0))
 
 
@@ -115,10 +119,11 @@ class DataQualityCallback(pl.Callback):
     """Sums the skip counts that training batches carry, logs them every epoch and stops on too much bad data.
 
     Logged at every train epoch end (running totals since the start of the run, summed over ranks):
-    `data/skipped/<reason>` for every reason in `REASONS`, `data/samples` (usable samples) and
-    `data/bad_fraction`. Raises `DataQualityError` (naming the worst shards) when the bad fraction exceeds
-    `max_bad_fraction` after at least `min_samples` samples; also checked after every `check_every_n_batches`
-    batches so a broken data set stops a run early. It removes `skipped_shards` from the batch (not a model input).
+    `data/skipped/<reason>` for every reason in `REASONS`, `data/samples` (usable samples),
+    `data/bad_fraction` and, for weighted sources (`train_weights`), `data/source_share/<i>`: the fraction of the
+    samples that came from source i (on this rank). Raises `DataQualityError` (naming the worst shards) when the
+    bad fraction exceeds `max_bad_fraction` after at least `min_samples` samples; also checked after every
+    `check_every_n_batches` batches so a broken data set stops a run early. It removes `skipped_shards` from the batch (not a model input).
     """
 
     def __init__(self, max_bad_fraction: float = 0.05, min_samples: int = 100, check_every_n_batches: int = 50):
@@ -141,6 +146,8 @@ class DataQualityCallback(pl.Callback):
         metrics = {f"data/skipped/{r}": float(n) for r, n in totals.items()}
         metrics["data/samples"] = float(good)
         metrics["data/bad_fraction"] = bad / (bad + good) if bad + good else 0.0
+        drawn = sum(self.tracker.sources.values())
+        metrics.update({f"data/source_share/{i}": n / drawn for i, n in sorted(self.tracker.sources.items())})
         pl_module.log_dict(metrics, on_step=False, on_epoch=True, sync_dist=False, rank_zero_only=True)
         self._check(trainer, pl_module)
 

@@ -5,14 +5,16 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 import re
 import tarfile
+from collections import Counter
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import webdataset as wds
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset
 from webdataset.filters import _shuffle
 from webdataset.utils import make_seed, pytorch_worker_info
 
@@ -76,6 +78,36 @@ class SplitResampledShards(wds.ResampledShards):
         self.rng = random.Random(make_seed(self.worker_seed(), self.seed))
         for _ in range(self.nshards):
             yield dict(url=urls[self.rng.randint(0, len(urls) - 1)])
+
+
+class MixedSources(IterableDataset):
+    """Raw samples drawn one at a time from several sources: source i with probability `weights[i] / sum`.
+
+    Each source is its own `SplitResampledShards` stream (seeded by the base seed and its index) read by
+    `stages.read`; which source the next sample comes from is drawn per sample, seeded by seed, rank, worker and
+    stream epoch, so the mix holds at every scale of the run instead of in whole-shard streaks, and a resumed run
+    draws what an uninterrupted one would. Every sample carries its source's index as `__source__`."""
+
+    def __init__(self, sources: list[list[str]], weights: list[float], stages: "Stages") -> None:
+        super().__init__()
+        self.sources, self.stages = sources, stages
+        self.cum_weights = list(itertools.accumulate(float(w) for w in weights))
+
+    def __iter__(self):
+        state, seed = self.stages.state, self.stages.seed
+        streams = [self.stages.read(SplitResampledShards(urls, seed=make_seed(seed, i), worker_seed=WorkerSeed(state),
+                                                         deterministic=True))
+                   for i, urls in enumerate(self.sources)]
+        rank, _, worker, _ = pytorch_worker_info()
+        rng = random.Random(make_seed(seed, rank, worker, state.stream_epoch, len(self.sources)))
+        indices = range(len(streams))
+        while True:
+            i = rng.choices(indices, cum_weights=self.cum_weights)[0]
+            sample = next(streams[i], None)  # resampled: never ends
+            if sample is None:
+                return
+            sample["__source__"] = i
+            yield sample
 
 
 class EpochLoader(DataLoader):
@@ -190,9 +222,13 @@ class Stages:
     def decode(self, src):
         for sample in src:
             try:
-                yield decode_sample(sample, **self.decode_kw)
+                ex = decode_sample(sample, **self.decode_kw)
             except Skip as s:
                 self.counter.skip(s.reason, sample.get("__url__", "?"), sample.get("__key__"), s.detail)
+                continue
+            if "__source__" in sample:
+                ex.extra["source"] = sample["__source__"]
+            yield ex
 
     def batch(self, src: Iterable[Example]):
         """Batches of a finite pass, with one batch of look-ahead: skips found after the last batch (the end of
@@ -239,14 +275,25 @@ class Stages:
             return None
         batch["skipped"], batch["skipped_shards"] = self.counter.take()
         batch["num_samples"] = int(batch["input_ids"].shape[0])
+        if any("source" in ex.extra for ex in examples):
+            dropped = {id(ex) for ex, _, _ in rejected}
+            batch["source_samples"] = dict(Counter(ex.extra["source"] for ex in examples if id(ex) not in dropped))
         return batch
 
 
-def train_pipeline(urls: list[str], stages: Stages, batches_per_worker: int) -> wds.DataPipeline:
+def train_pipeline(urls: list[str], stages: Stages, batches_per_worker: int,
+                   mix: tuple[list[list[str]], list[float]] | None = None) -> wds.DataPipeline:
     """Infinite resampled shards (split by node and worker, seeded per rank / worker / epoch) -> shuffle -> decode
-    -> batch; each worker yields `batches_per_worker` batches per epoch (`with_epoch`): equal on every rank."""
-    shards = SplitResampledShards(urls, seed=stages.seed, worker_seed=WorkerSeed(stages.state), deterministic=True)
-    pipe = EpochPipeline(shards, stages.read, stages.shuffle, stages.decode, stages.collated)
+    -> batch; each worker yields `batches_per_worker` batches per epoch (`with_epoch`): equal on every rank.
+
+    `mix` = (sources, weights): instead of `urls` pooled and read shard by shard, `MixedSources` draws every
+    sample from source i with probability weights[i] / sum (batches then carry `source_samples`)."""
+    if mix is None:
+        shards = SplitResampledShards(urls, seed=stages.seed, worker_seed=WorkerSeed(stages.state),
+                                      deterministic=True)
+        pipe = EpochPipeline(shards, stages.read, stages.shuffle, stages.decode, stages.collated)
+    else:
+        pipe = EpochPipeline(MixedSources(*mix, stages), stages.shuffle, stages.decode, stages.collated)
     pipe = pipe.with_epoch(batches_per_worker)
     pipe.epoch_state = stages.state
     return pipe

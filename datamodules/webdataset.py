@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import json
+import math
 import os
 import tarfile
 import tempfile
@@ -72,11 +73,39 @@ def resolve_shards(spec: str | list[str], what: str = "shards") -> list[str]:
     return urls
 
 
+def _is_manifest_dir(spec: str) -> bool:
+    return (Path(spec).expanduser() / MANIFEST).is_file()
+
+
+def _train_split_urls(spec: str | list[str]) -> list[str]:
+    """The checked shards of one training entry: a shard builder's folder gives its manifest's train split."""
+    if isinstance(spec, str) and _is_manifest_dir(spec):
+        urls = manifest_urls(Path(spec).expanduser(), "train")
+        if not urls:
+            raise ShardError(f"train_shards: {spec!r} has no train split in its {MANIFEST}")
+        return resolve_shards(urls, "train_shards")
+    return resolve_shards(spec, "train_shards")
+
+
+def _weighted_entries(train: str | list[str], weights: list[float]) -> list[str]:
+    """The entries of `train_shards` that `train_weights` weighs, checked against them."""
+    entries = [train] if isinstance(train, str) else list(train)
+    if len(weights) != len(entries):
+        raise ShardError(f"train_weights: {len(weights)} weights for {len(entries)} train_shards entries: give "
+                         "one weight per entry of the train_shards list (each entry is one source)")
+    bad = [w for w in weights if not (isinstance(w, (int, float)) and math.isfinite(w) and w > 0)]
+    if bad:
+        raise ShardError(f"train_weights: {bad} are not finite numbers > 0 (a source to leave out is left out of "
+                         "train_shards)")
+    return entries
+
+
 class WebDatasetDataModule(pl.LightningDataModule):
     """Streams image-text WebDataset shards and formats them with the backbone's processor for distillation.
 
     Training: resampled shards (split by rank and worker when there are enough), shuffled, `with_epoch`
-    (`train_samples_per_epoch` per rank), deterministic given `seed`; a run resumed from a checkpoint continues
+    (`train_samples_per_epoch` per rank), deterministic given `seed`; with `train_weights`, each entry of
+    `train_shards` is a source drawn per sample in those proportions; a run resumed from a checkpoint continues
     the stream where it stopped (`EpochLoader`). Validation: one finite pass, shards split by rank
     (`wds.split_by_node`) then worker; setup() refuses fewer shards than ranks x workers.
 
@@ -87,7 +116,8 @@ class WebDatasetDataModule(pl.LightningDataModule):
       RIGHT-padded, at most `max_length` long;
     * `loss_mask` (bool [B, T]): True at t iff `input_ids[:, t+1]` is a response token (aligned with `logits[:, t]`);
     * `skipped` ({reason: int}): samples the producing worker skipped since its previous batch;
-      `skipped_shards` ({shard url: int}) the same by shard; `num_samples` (int): rows in this batch.
+      `skipped_shards` ({shard url: int}) the same by shard; `num_samples` (int): rows in this batch;
+      with `train_weights`, `source_samples` ({source index: int}): its rows by source.
       `vlm_retrofit.batch.model_inputs(batch)` drops these meta entries. `DataQualityCallback` sums them.
     """
 
@@ -95,6 +125,7 @@ class WebDatasetDataModule(pl.LightningDataModule):
         self,
         processor: str,
         train_shards: str | list[str] | None = None,
+        train_weights: list[float] | None = None,
         val_shards: str | list[str] | None = None,
         data_dir: str | None = None,
         image_keys: list[str] | None = None,
@@ -125,6 +156,12 @@ class WebDatasetDataModule(pl.LightningDataModule):
             train_shards: training shards: a path, brace pattern (`/d/train-{000000..000099}.tar`), glob, folder
                 of tars, a folder with a `manifest.json` from the shard builder, `pipe:` command or http URL, or a
                 list of these. `None`: built-in synthetic shapes data written once into `data_dir`.
+            train_weights: one weight > 0 per entry of a `train_shards` list, making each entry a SOURCE: every
+                training sample is drawn from source i with probability weights[i] / sum (e.g. `[3, 1]`: three
+                quarters of the samples from the first entry), each source's shards resampled on their own, and
+                batches count their samples per source (`DataQualityCallback` logs `data/source_share/<i>`).
+                `None`: all entries' shards are pooled and drawn whole, uniformly, so a source's share follows its
+                number of shards times their size, and arrives in streaks of a whole shard.
             val_shards: validation shards (same forms). `None`: the `val` split of the manifest folder / synthetic
                 data if any, else no validation.
             data_dir: cache folder for the synthetic data (default: a folder per setting under
@@ -158,7 +195,7 @@ class WebDatasetDataModule(pl.LightningDataModule):
         super().__init__()
         self.save_hyperparameters()
         self.processor_name = processor
-        self.train_shards, self.val_shards = train_shards, val_shards
+        self.train_shards, self.train_weights, self.val_shards = train_shards, train_weights, val_shards
         self.data_dir = data_dir
         self.image_keys = list(image_keys or ["jpg", "jpeg", "png", "webp"])
         self.text_keys = list(text_keys or ["txt", "json"])
@@ -173,6 +210,8 @@ class WebDatasetDataModule(pl.LightningDataModule):
         self.persistent_workers, self.pin_memory = persistent_workers, pin_memory
         self.add_quality_callback = add_quality_callback
         self.train_urls: list[str] = []
+        self.train_sources: list[list[str]] = []
+        """The shards of each weighted source (`train_weights`), in the order of `train_shards`."""
         self.val_urls: list[str] = []
         self.formatter: ChatFormatter | None = None
         # Apart: a validation pass must not move the training stream (nor a resumed run's, which skips the sanity check).
@@ -201,15 +240,16 @@ class WebDatasetDataModule(pl.LightningDataModule):
         """Resolve and check the shard specs (no processor, no model): raises `ShardError` with a clear message."""
         train, val = self.train_shards, self.val_shards
         if train is None:
+            if self.train_weights is not None:
+                raise ShardError("train_weights needs a train_shards list (one weight per entry); the built-in "
+                                 "synthetic data has one source: drop train_weights")
             train = self._synthetic()
-        manifest_dir = isinstance(train, str) and (Path(train).expanduser() / MANIFEST).is_file()
-        if manifest_dir:
-            self.train_urls = manifest_urls(Path(train).expanduser(), "train")
-            if not self.train_urls:
-                raise ShardError(f"train_shards: {train!r} has no train split in its {MANIFEST}")
-            resolve_shards(self.train_urls, "train_shards")
+        manifest_dir = isinstance(train, str) and _is_manifest_dir(train)
+        if self.train_weights is not None:
+            self.train_sources = [_train_split_urls(spec) for spec in _weighted_entries(train, self.train_weights)]
+            self.train_urls = [u for urls in self.train_sources for u in urls]
         else:
-            self.train_urls = resolve_shards(train, "train_shards")
+            self.train_urls = _train_split_urls(train) if manifest_dir else resolve_shards(train, "train_shards")
         if val is not None:
             self.val_urls = resolve_shards(val, "val_shards")
         elif manifest_dir:
@@ -256,7 +296,9 @@ class WebDatasetDataModule(pl.LightningDataModule):
         return batches_per_worker(self.train_samples_per_epoch, self.batch_size, self.num_workers)
 
     def train_dataset(self):
-        return train_pipeline(self.train_urls, self._stages(self.batch_size, True), self.train_batches_per_worker)
+        mix = (self.train_sources, list(self.train_weights)) if self.train_weights is not None else None
+        return train_pipeline(self.train_urls, self._stages(self.batch_size, True), self.train_batches_per_worker,
+                              mix)
 
     def val_dataset(self):
         return val_pipeline(self.val_urls, self._stages(self.val_batch_size, False))

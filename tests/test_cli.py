@@ -86,6 +86,16 @@ def test_tiny_yaml_is_the_builtin_default(capsys):
     assert _printed_config(capsys) == _printed_config(capsys, "--config", str(Path(CONFIGS[0]).parent / "tiny.yaml"))
 
 
+def test_one_seed_drives_the_skip_sampling_and_the_data_stream(tmp_path, monkeypatch):
+    # Lightning refuses a model and a datamodule logging different `seed`s: the model's seed is the data's.
+    monkeypatch.chdir(tmp_path)
+    assert main(["fit", "--model.seed", "3", "--trainer.max_steps", "1", "--trainer.limit_val_batches", "0",
+                 "--trainer.enable_progress_bar", "false", "--data.num_workers", "0"]) == 0
+    checkpoint = torch.load(tmp_path / "runs" / "tiny" / "checkpoints" / "last.ckpt", map_location="cpu",
+                            weights_only=True)
+    assert checkpoint["hyper_parameters"]["seed"] == checkpoint["datamodule_hyper_parameters"]["seed"] == 3
+
+
 @pytest.mark.parametrize("config", TINY, ids=lambda c: c.name)
 def test_tiny_configs_run_fast_dev_run(config, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)

@@ -1,6 +1,7 @@
 """WebDatasetDataModule: bad samples skipped and counted, worker / rank splits, determinism, set-up refusals."""
 
 import io
+import itertools
 import json
 import logging
 from collections import Counter
@@ -306,3 +307,81 @@ def test_counts_logged_every_epoch_and_bad_data_stops_training(bad_shards):
     dm = _dm(urls, train_samples_per_epoch=60, max_bad_fraction=0.01, min_samples_for_check=10)
     with pytest.raises(DataQualityError, match="Worst shards: .*s[0-3]\\.tar"):
         _fit(dm)
+
+
+def _two_sources(tmp_path, per_shard=20):
+    """Sources a and b, two shards of `per_shard` captioned images each; keys say the source."""
+    for name in "ab":
+        (tmp_path / name).mkdir()
+        for s in range(2):
+            write_tar(tmp_path / name / f"{s}.tar",
+                      [(f"{name}{s}_{i:03d}", _good(i)) for i in range(per_shard)])
+    return [str(tmp_path / "a"), str(tmp_path / "b")]
+
+
+def _train_keys(dm):
+    """(key, source) of every sample of one training epoch in stream order, and the epoch's batches."""
+    ds = dm.train_dataset()
+    orig = ds.pipeline[-2]  # the decode stage
+    seen = []
+
+    def tap(src):
+        for ex in orig(src):
+            seen.append((ex.key, ex.extra.get("source")))
+            yield ex
+
+    ds.pipeline[-2] = tap
+    batches = list(ds)
+    return seen, batches
+
+
+def _longest_run(labels):
+    return max(len(list(g)) for _, g in itertools.groupby(labels))
+
+
+@pytest.mark.parametrize("weights, share", [([1, 1], 0.5), ([3, 1], 0.75)])
+def test_weighted_sources_are_mixed_per_sample_in_their_proportions(tmp_path, weights, share):
+    sources = _two_sources(tmp_path)
+    kw = dict(train_shards=sources, num_workers=0, batch_size=4, train_samples_per_epoch=400, shuffle_buffer=0)
+    dm = WebDatasetDataModule(PROC, train_weights=weights, **kw)
+    dm.setup("fit")
+    seen, batches = _train_keys(dm)
+    assert len(seen) == 400 and all(key[0] == "ab"[source] for key, source in seen)
+    counted = Counter()
+    for b in batches:
+        counted.update(b["source_samples"])
+        assert sum(b["source_samples"].values()) == b["num_samples"]
+    assert counted == Counter(source for _, source in seen)
+    assert abs(counted[0] / 400 - share) < 0.07
+    assert _longest_run([s for _, s in seen]) < 20  # shorter than one shard: not read shard by shard
+    pooled = WebDatasetDataModule(PROC, **kw)  # the same entries pooled: whole shards, one after the other
+    pooled.setup("fit")
+    pooled_keys, pooled_batches = _train_keys(pooled)
+    assert _longest_run([key[0] for key, _ in pooled_keys]) >= 20 and "source_samples" not in pooled_batches[0]
+
+
+def test_weighted_stream_is_deterministic_per_seed_and_workers_split_the_shards(tmp_path):
+    sources = _two_sources(tmp_path, per_shard=6)
+    kw = dict(train_shards=sources, train_weights=[2, 1], batch_size=4, train_samples_per_epoch=24, shuffle_buffer=8)
+    runs = []
+    for seed, workers in ((0, 0), (0, 0), (1, 0), (0, 2), (0, 2)):
+        dm = WebDatasetDataModule(PROC, seed=seed, num_workers=workers, **kw)
+        dm.setup("fit")
+        runs.append(_stream(dm))
+    assert runs[0] == runs[1] and runs[3] == runs[4] and runs[0] != runs[2] and runs[0][0] != runs[0][1]
+    assert [len(e) for e in runs[0]] == [6, 6] and [len(e) for e in runs[3]] == [6, 6]
+
+
+def test_weighted_sources_logged_and_bad_weights_refused(tmp_path):
+    sources = _two_sources(tmp_path, per_shard=6)
+    dm = WebDatasetDataModule(PROC, train_shards=sources, train_weights=[1, 3], num_workers=0, batch_size=4,
+                              train_samples_per_epoch=40)
+    logged = _fit(dm).callback_metrics
+    assert float(logged["data/source_share/0"]) + float(logged["data/source_share/1"]) == pytest.approx(1.0)
+    assert 0.05 < float(logged["data/source_share/0"]) < 0.5
+    for weights, match in (([1], "1 weights for 2 train_shards entries"), ([1, 0], r"\[0\] are not finite"),
+                           ([1, float("nan")], "are not finite numbers > 0")):
+        with pytest.raises(ShardError, match=match):
+            WebDatasetDataModule(PROC, train_shards=sources, train_weights=weights).setup("fit")
+    with pytest.raises(ShardError, match="train_weights needs a train_shards list"):
+        WebDatasetDataModule(PROC, data_dir=str(tmp_path / "syn"), train_weights=[1]).setup("fit")

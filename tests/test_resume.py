@@ -1,5 +1,6 @@
 """Trainable-only checkpoints, resume continuity, killed runs, and refusal of a checkpoint for another base."""
 
+import json
 import os
 import signal
 import subprocess
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from vlm_retrofit.cli import main
+from vlm_retrofit.datamodules import write_synthetic_shards
 from vlm_retrofit.routing import AdapterMismatchError
 from vlm_retrofit.training import CHECKPOINT_KEY, RetrofitModule, inspect_checkpoint
 
@@ -132,9 +134,11 @@ def test_the_micro_batches_of_one_step_draw_their_own_masks(tmp_path, monkeypatc
     assert [seed for _, seed in seeds] == [module._step_seed(0, 0), module._step_seed(1, 0)]
 
 
-@pytest.mark.parametrize("epoch_batches, workers", [(2 * N, 0), (N, 0), (N // 2, 1)],
-                         ids=["mid-epoch", "on-an-epoch-end", "persistent-worker"])
-def test_a_resumed_run_reads_the_stream_an_uninterrupted_one_would(tmp_path, monkeypatch, epoch_batches, workers):
+@pytest.mark.parametrize("epoch_batches, workers, weighted", [(2 * N, 0, False), (N, 0, False), (N // 2, 1, False),
+                                                               (N // 2, 1, True)],
+                         ids=["mid-epoch", "on-an-epoch-end", "persistent-worker", "weighted-sources"])
+def test_a_resumed_run_reads_the_stream_an_uninterrupted_one_would(tmp_path, monkeypatch, epoch_batches, workers,
+                                                                   weighted):
     """WebDataset shards: the resumed half trains on the batches the straight run's second half trained on."""
     seen = []
     original = RetrofitModule.training_step
@@ -144,7 +148,13 @@ def test_a_resumed_run_reads_the_stream_an_uninterrupted_one_would(tmp_path, mon
         return original(self, batch, batch_idx)
 
     monkeypatch.setattr(RetrofitModule, "training_step", recorded)
-    stream = ["--data", "vlm_retrofit.datamodules.WebDatasetDataModule", "--data.data_dir", str(tmp_path / "shards"),
+    source = ["--data.data_dir", str(tmp_path / "shards")]
+    if weighted:  # two sources drawn per sample, 3:1
+        for name in "ab":
+            write_synthetic_shards(tmp_path / name, num_samples=24, maxcount=6, val_fraction=0.0, seed=ord(name))
+        source = ["--data.train_shards", json.dumps([str(tmp_path / "a"), str(tmp_path / "b")]),
+                  "--data.train_weights", "[3, 1]"]
+    stream = ["--data", "vlm_retrofit.datamodules.WebDatasetDataModule", *source,
               "--data.num_workers", str(workers), "--data.persistent_workers", str(workers > 0).lower(),
               "--data.batch_size", "2", "--data.train_samples_per_epoch", str(2 * epoch_batches),
               "--trainer.limit_val_batches", "0"]
@@ -205,6 +215,7 @@ def test_missing_trainable_key_fails_loudly(tmp_path):
 KILL_SCRIPT = """
 import os, signal, sys
 from vlm_retrofit.cli import main
+from vlm_retrofit.datamodules import write_synthetic_shards
 from vlm_retrofit.training import RetrofitModule
 
 def die(self, outputs, batch, batch_idx):

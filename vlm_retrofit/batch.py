@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-META_KEYS: frozenset[str] = frozenset({"loss_mask", "skipped", "skipped_shards", "num_samples", "labels"})
+META_KEYS: frozenset[str] = frozenset({"loss_mask", "skipped", "skipped_shards", "num_samples", "source_samples",
+                                       "labels"})
 """Batch entries that are not keyword arguments of the model's forward: the loss mask (aligned with the
-logits: true at t when token t+1 is a response token), skipped-sample counts, and labels (unused: the
-distillation loss uses the loss mask)."""
+logits: true at t when token t+1 is a response token), skipped-sample counts, samples per weighted training
+source, and labels (unused: the distillation loss uses the loss mask)."""
 
 
 def model_inputs(batch: Mapping[str, Any]) -> dict[str, Any]:

@@ -102,11 +102,13 @@ def _lightning_cli_class():
     from .training import RetrofitModule
 
     class RetrofitCLI(LightningCLI):
-        """LightningCLI with the built-in default run and the backbone -> datamodule processor link."""
+        """LightningCLI with the built-in default run and the backbone -> processor, model -> data seed links."""
 
         def add_arguments_to_parser(self, parser) -> None:
             # The datamodule formats text with the backbone's own processor: one setting for both.
             parser.link_arguments("model.backbone", "data.init_args.processor")
+            # One seed for the skip sampling and the data stream: Lightning refuses to log two values of `seed`.
+            parser.link_arguments("model.seed", "data.init_args.seed")
             parser.set_defaults({
                 **{f"model.{key}": value for key, value in MODEL_DEFAULTS.items()},
                 "data": {"class_path": DATAMODULE, "init_args": dict(DATA_DEFAULTS)},
