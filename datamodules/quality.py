@@ -120,8 +120,8 @@ class DataQualityCallback(pl.Callback):
 
     Logged at every train epoch end (running totals since the start of the run, summed over ranks):
     `data/skipped/<reason>` for every reason in `REASONS`, `data/samples` (usable samples),
-    `data/bad_fraction` and, for weighted sources (`train_weights`), `data/source_share/<i>`: the fraction of the
-    samples that came from source i (on this rank). Raises `DataQualityError` (naming the worst shards) when the
+    `data/bad_fraction` and, for weighted sources (`train_weights`), `data/source_share/<i>`: the fraction of
+    rank 0's samples that came from source i. Raises `DataQualityError` (naming the worst shards) when the
     bad fraction exceeds `max_bad_fraction` after at least `min_samples` samples; also checked after every
     `check_every_n_batches` batches so a broken data set stops a run early. It removes `skipped_shards` from the batch (not a model input).
     """

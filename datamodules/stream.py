@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import math
 import random
@@ -21,6 +22,18 @@ from webdataset.utils import make_seed, pytorch_worker_info
 from .formatting import ChatFormatter, Example
 from .quality import SkipCounter
 from .samples import Skip, decode_sample
+
+class ShardError(ValueError):
+    """Shard patterns that cannot be used (nothing matched, missing files, not tars, too few for the workers, a
+    training source none of whose shards yields a sample)."""
+
+
+def stream_seed(*parts: int | str) -> int:
+    """A 31-bit seed hashed from `parts`. webdataset's `make_seed` is linear (seed x 31 + next part), so nesting it
+    aliases: seed s + 1 at epoch e would draw what seed s draws at epoch e + 1."""
+    digest = hashlib.blake2b("/".join(map(str, parts)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & 0x7FFFFFFF
+
 
 _KEY_EXT = re.compile(r"^((?:.*/|)[^./]+)\.([^/]*)$")  # webdataset's rule: key up to the first dot of the basename
 
@@ -53,13 +66,17 @@ class EpochPipeline(wds.DataPipeline):
 
 
 class WorkerSeed:
-    """`worker_seed` for `wds.ResampledShards`: differs per rank, worker and epoch; fixed by the base seed."""
+    """`worker_seed` for `wds.ResampledShards`: differs per rank, worker and epoch; fixed by the base seed.
 
-    def __init__(self, state: EpochState) -> None:
-        self.state = state
+    With `salt` (a weighted source: the base seed and its index) the seed is `stream_seed` of all of them."""
+
+    def __init__(self, state: EpochState, *salt: int | str) -> None:
+        self.state, self.salt = state, salt
 
     def __call__(self) -> int:
         rank, _, worker, _ = pytorch_worker_info()
+        if self.salt:
+            return stream_seed(*self.salt, rank, worker, self.state.stream_epoch)
         return make_seed(rank, worker, self.state.stream_epoch)
 
 
@@ -83,10 +100,12 @@ class SplitResampledShards(wds.ResampledShards):
 class MixedSources(IterableDataset):
     """Raw samples drawn one at a time from several sources: source i with probability `weights[i] / sum`.
 
-    Each source is its own `SplitResampledShards` stream (seeded by the base seed and its index) read by
-    `stages.read`; which source the next sample comes from is drawn per sample, seeded by seed, rank, worker and
-    stream epoch, so the mix holds at every scale of the run instead of in whole-shard streaks, and a resumed run
-    draws what an uninterrupted one would. Every sample carries its source's index as `__source__`."""
+    Each source is its own `SplitResampledShards` stream (split by rank and worker on its own, seeded by the base
+    seed, its index, rank, worker and stream epoch) read by `stages.read`; which source the next sample comes from
+    is drawn per sample, seeded alike, so the mix holds at every scale of the run instead of in whole-shard
+    streaks, and a resumed run draws what an uninterrupted one would. Every sample carries its source's index as
+    `__source__`. A source that opens `10 x shards + 10` shards in a row without yielding a sample (all of its
+    shards unreadable or empty) raises `ShardError` instead of spinning forever."""
 
     def __init__(self, sources: list[list[str]], weights: list[float], stages: "Stages") -> None:
         super().__init__()
@@ -95,17 +114,28 @@ class MixedSources(IterableDataset):
 
     def __iter__(self):
         state, seed = self.stages.state, self.stages.seed
-        streams = [self.stages.read(SplitResampledShards(urls, seed=make_seed(seed, i), worker_seed=WorkerSeed(state),
-                                                         deterministic=True))
-                   for i, urls in enumerate(self.sources)]
+        opened = [0] * len(self.sources)  # shards opened since the source's last sample
+
+        def watched(i: int, urls: list[str]):
+            for item in SplitResampledShards(urls, seed=0, worker_seed=WorkerSeed(state, "source", seed, i),
+                                             deterministic=True):
+                opened[i] += 1
+                if opened[i] > 10 * len(urls) + 10:
+                    raise ShardError(f"train_shards entry {i} ({urls[0]!r}, ... {len(urls)} shards): {opened[i] - 1} "
+                                     "shards read in a row without one usable sample; fix those shards or drop the "
+                                     "entry (and its weight)")
+                yield item
+
+        streams = [self.stages.read(watched(i, urls)) for i, urls in enumerate(self.sources)]
         rank, _, worker, _ = pytorch_worker_info()
-        rng = random.Random(make_seed(seed, rank, worker, state.stream_epoch, len(self.sources)))
+        rng = random.Random(stream_seed("mix", seed, rank, worker, state.stream_epoch))
         indices = range(len(streams))
         while True:
             i = rng.choices(indices, cum_weights=self.cum_weights)[0]
             sample = next(streams[i], None)  # resampled: never ends
             if sample is None:
                 return
+            opened[i] = 0
             sample["__source__"] = i
             yield sample
 
@@ -207,6 +237,8 @@ class Stages:
         self.decode_kw = dict(image_keys=image_keys, text_keys=text_keys, prompt=prompt,
                               max_image_pixels=max_image_pixels, max_image_side=max_image_side)
         self.shuffle_buffer = shuffle_buffer
+        self.num_sources = 0
+        """Weighted training sources (`train_pipeline`'s mix): batches then count their samples per source."""
         self.counter = SkipCounter()
 
     def read(self, src):
@@ -275,9 +307,9 @@ class Stages:
             return None
         batch["skipped"], batch["skipped_shards"] = self.counter.take()
         batch["num_samples"] = int(batch["input_ids"].shape[0])
-        if any("source" in ex.extra for ex in examples):
-            dropped = {id(ex) for ex, _, _ in rejected}
-            batch["source_samples"] = dict(Counter(ex.extra["source"] for ex in examples if id(ex) not in dropped))
+        if self.num_sources:  # by source, not identity: a text-only processor collates copies of the examples
+            kept = Counter(ex.extra["source"] for ex in examples) - Counter(ex.extra["source"] for ex, _, _ in rejected)
+            batch["source_samples"] = {i: kept[i] for i in range(self.num_sources)}
         return batch
 
 
@@ -293,6 +325,7 @@ def train_pipeline(urls: list[str], stages: Stages, batches_per_worker: int,
                                       deterministic=True)
         pipe = EpochPipeline(shards, stages.read, stages.shuffle, stages.decode, stages.collated)
     else:
+        stages.num_sources = len(mix[0])
         pipe = EpochPipeline(MixedSources(*mix, stages), stages.shuffle, stages.decode, stages.collated)
     pipe = pipe.with_epoch(batches_per_worker)
     pipe.epoch_state = stages.state

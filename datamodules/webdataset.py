@@ -18,15 +18,19 @@ from webdataset.utils import pytorch_worker_info
 from .formatting import ChatFormatter, load_processor
 from .quality import DataQualityCallback
 from .shards import MANIFEST
-from .stream import EpochLoader, EpochState, Stages, batches_per_worker, train_pipeline, val_pipeline
+from .stream import (
+    EpochLoader,
+    EpochState,
+    ShardError,
+    Stages,
+    batches_per_worker,
+    train_pipeline,
+    val_pipeline,
+)
 from .synthetic import ensure_synthetic_shards
 
 DEFAULT_DATA_DIR = os.path.join(tempfile.gettempdir(), "vlm_retrofit", "synthetic")
 _REMOTE = ("pipe:", "http://", "https://", "s3://", "gs://", "ais://", "hf://", "htgs://", "gsutil:")
-
-
-class ShardError(ValueError):
-    """Shard patterns that cannot be used (nothing matched, missing files, not tars, too few for the workers)."""
 
 
 def manifest_urls(folder: str | os.PathLike, split: str) -> list[str]:
@@ -87,17 +91,15 @@ def _train_split_urls(spec: str | list[str]) -> list[str]:
     return resolve_shards(spec, "train_shards")
 
 
-def _weighted_entries(train: str | list[str], weights: list[float]) -> list[str]:
-    """The entries of `train_shards` that `train_weights` weighs, checked against them."""
-    entries = [train] if isinstance(train, str) else list(train)
+def _check_weights(entries: list[str], weights: list[float]) -> None:
+    """`train_weights` against the entries of `train_shards` they weigh."""
     if len(weights) != len(entries):
         raise ShardError(f"train_weights: {len(weights)} weights for {len(entries)} train_shards entries: give "
                          "one weight per entry of the train_shards list (each entry is one source)")
-    bad = [w for w in weights if not (isinstance(w, (int, float)) and math.isfinite(w) and w > 0)]
+    bad = [w for w in weights if isinstance(w, bool) or not (isinstance(w, (int, float)) and math.isfinite(w) and w > 0)]
     if bad:
         raise ShardError(f"train_weights: {bad} are not finite numbers > 0 (a source to leave out is left out of "
                          "train_shards)")
-    return entries
 
 
 class WebDatasetDataModule(pl.LightningDataModule):
@@ -162,8 +164,8 @@ class WebDatasetDataModule(pl.LightningDataModule):
                 batches count their samples per source (`DataQualityCallback` logs `data/source_share/<i>`).
                 `None`: all entries' shards are pooled and drawn whole, uniformly, so a source's share follows its
                 number of shards times their size, and arrives in streaks of a whole shard.
-            val_shards: validation shards (same forms). `None`: the `val` split of the manifest folder / synthetic
-                data if any, else no validation.
+            val_shards: validation shards (same forms). `None`: the `val` splits of the manifest folders among
+                `train_shards` (and of the synthetic data) if any, else no validation.
             data_dir: cache folder for the synthetic data (default: a folder per setting under
                 `<tmp>/vlm_retrofit/synthetic`); reused when its manifest matches. Its val split has at least
                 ranks x workers shards.
@@ -176,6 +178,7 @@ class WebDatasetDataModule(pl.LightningDataModule):
             val_batch_size: validation batch size (default: batch_size).
             num_workers: DataLoader worker processes (each reads its own shards and forms its own batches).
             seed: base seed: the training stream (shard choice, shuffle) is a function of seed, rank, worker, epoch.
+                Under `python -m vlm_retrofit fit` it is linked to (set by) `model.seed`.
             train_samples_per_epoch: samples per epoch and rank (`with_epoch`; the resampled stream is infinite).
             shuffle_buffer: sample shuffle buffer per worker (0 disables).
             group_by_modality: batch image samples with image samples and text-only with text-only, even when the
@@ -211,7 +214,7 @@ class WebDatasetDataModule(pl.LightningDataModule):
         self.add_quality_callback = add_quality_callback
         self.train_urls: list[str] = []
         self.train_sources: list[list[str]] = []
-        """The shards of each weighted source (`train_weights`), in the order of `train_shards`."""
+        """The training shards of each entry of `train_shards` (the sources `train_weights` weighs)."""
         self.val_urls: list[str] = []
         self.formatter: ChatFormatter | None = None
         # Apart: a validation pass must not move the training stream (nor a resumed run's, which skips the sanity check).
@@ -244,16 +247,16 @@ class WebDatasetDataModule(pl.LightningDataModule):
                 raise ShardError("train_weights needs a train_shards list (one weight per entry); the built-in "
                                  "synthetic data has one source: drop train_weights")
             train = self._synthetic()
-        manifest_dir = isinstance(train, str) and _is_manifest_dir(train)
+        entries = [train] if isinstance(train, str) else list(train)
         if self.train_weights is not None:
-            self.train_sources = [_train_split_urls(spec) for spec in _weighted_entries(train, self.train_weights)]
-            self.train_urls = [u for urls in self.train_sources for u in urls]
-        else:
-            self.train_urls = _train_split_urls(train) if manifest_dir else resolve_shards(train, "train_shards")
+            _check_weights(entries, self.train_weights)
+        self.train_sources = [_train_split_urls(spec) for spec in entries]
+        self.train_urls = [u for urls in self.train_sources for u in urls]
         if val is not None:
             self.val_urls = resolve_shards(val, "val_shards")
-        elif manifest_dir:
-            self.val_urls = manifest_urls(Path(train).expanduser(), "val")
+        else:  # the shard builder's folders bring their val splits
+            self.val_urls = [u for spec in entries if isinstance(spec, str) and _is_manifest_dir(spec)
+                             for u in manifest_urls(Path(spec).expanduser(), "val")]
         needed = self.world_size() * max(1, self.num_workers)
         if self.val_urls and len(self.val_urls) < needed:
             raise ShardError(

@@ -215,7 +215,6 @@ def test_missing_trainable_key_fails_loudly(tmp_path):
 KILL_SCRIPT = """
 import os, signal, sys
 from vlm_retrofit.cli import main
-from vlm_retrofit.datamodules import write_synthetic_shards
 from vlm_retrofit.training import RetrofitModule
 
 def die(self, outputs, batch, batch_idx):
