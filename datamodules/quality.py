@@ -123,7 +123,8 @@ class DataQualityCallback(pl.Callback):
     `data/bad_fraction` and, for weighted sources (`train_weights`), `data/source_share/<i>`: the fraction of
     rank 0's samples that came from source i. Raises `DataQualityError` (naming the worst shards) when the
     bad fraction exceeds `max_bad_fraction` after at least `min_samples` samples; also checked after every
-    `check_every_n_batches` batches so a broken data set stops a run early. It removes `skipped_shards` from the batch (not a model input).
+    `check_every_n_batches` batches so a broken data set stops a run early. It removes `skipped_shards` from the
+    batch (not a model input).
     """
 
     def __init__(self, max_bad_fraction: float = 0.05, min_samples: int = 100, check_every_n_batches: int = 50):

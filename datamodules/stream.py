@@ -231,14 +231,14 @@ class Stages:
 
     def __init__(self, formatter: ChatFormatter, batch_size: int, seed: int, state: EpochState, *,
                  image_keys: list[str], text_keys: list[str], prompt: str, max_image_pixels: int,
-                 max_image_side: int, shuffle_buffer: int = 0, group_by_modality: bool = False):
+                 max_image_side: int, shuffle_buffer: int = 0, group_by_modality: bool = False, num_sources: int = 0):
         self.formatter, self.batch_size, self.seed, self.state = formatter, batch_size, seed, state
         self.group_by_modality = group_by_modality
         self.decode_kw = dict(image_keys=image_keys, text_keys=text_keys, prompt=prompt,
                               max_image_pixels=max_image_pixels, max_image_side=max_image_side)
         self.shuffle_buffer = shuffle_buffer
-        self.num_sources = 0
-        """Weighted training sources (`train_pipeline`'s mix): batches then count their samples per source."""
+        self.num_sources = num_sources
+        """Weighted training sources (`MixedSources`): batches then count their samples per source."""
         self.counter = SkipCounter()
 
     def read(self, src):
@@ -313,20 +313,20 @@ class Stages:
         return batch
 
 
-def train_pipeline(urls: list[str], stages: Stages, batches_per_worker: int,
-                   mix: tuple[list[list[str]], list[float]] | None = None) -> wds.DataPipeline:
+def train_pipeline(sources: list[list[str]], stages: Stages, batches_per_worker: int,
+                   weights: list[float] | None = None) -> wds.DataPipeline:
     """Infinite resampled shards (split by node and worker, seeded per rank / worker / epoch) -> shuffle -> decode
     -> batch; each worker yields `batches_per_worker` batches per epoch (`with_epoch`): equal on every rank.
 
-    `mix` = (sources, weights): instead of `urls` pooled and read shard by shard, `MixedSources` draws every
-    sample from source i with probability weights[i] / sum (batches then carry `source_samples`)."""
-    if mix is None:
+    `sources`: the shards of each entry of `train_shards`. Without `weights` they are pooled and read shard by
+    shard; with them `MixedSources` draws every sample from source i with probability weights[i] / sum."""
+    if weights is None:
+        urls = [u for urls in sources for u in urls]
         shards = SplitResampledShards(urls, seed=stages.seed, worker_seed=WorkerSeed(stages.state),
                                       deterministic=True)
         pipe = EpochPipeline(shards, stages.read, stages.shuffle, stages.decode, stages.collated)
     else:
-        stages.num_sources = len(mix[0])
-        pipe = EpochPipeline(MixedSources(*mix, stages), stages.shuffle, stages.decode, stages.collated)
+        pipe = EpochPipeline(MixedSources(sources, weights, stages), stages.shuffle, stages.decode, stages.collated)
     pipe = pipe.with_epoch(batches_per_worker)
     pipe.epoch_state = stages.state
     return pipe

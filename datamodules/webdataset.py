@@ -96,7 +96,8 @@ def _check_weights(entries: list[str], weights: list[float]) -> None:
     if len(weights) != len(entries):
         raise ShardError(f"train_weights: {len(weights)} weights for {len(entries)} train_shards entries: give "
                          "one weight per entry of the train_shards list (each entry is one source)")
-    bad = [w for w in weights if isinstance(w, bool) or not (isinstance(w, (int, float)) and math.isfinite(w) and w > 0)]
+    bad = [w for w in weights
+           if isinstance(w, bool) or not (isinstance(w, (int, float)) and math.isfinite(w) and w > 0)]
     if bad:
         raise ShardError(f"train_weights: {bad} are not finite numbers > 0 (a source to leave out is left out of "
                          "train_shards)")
@@ -283,7 +284,8 @@ class WebDatasetDataModule(pl.LightningDataModule):
         return Stages(self.formatter, batch_size, self.seed, state, image_keys=self.image_keys,
                       text_keys=self.text_keys, prompt=self.prompt, max_image_pixels=self.max_image_pixels,
                       max_image_side=self.max_image_side, shuffle_buffer=self.shuffle_buffer if shuffle else 0,
-                      group_by_modality=self.group_by_modality)
+                      group_by_modality=self.group_by_modality,
+                      num_sources=len(self.train_sources) if shuffle and self.train_weights is not None else 0)
 
     def _loader(self, dataset, **resumable: Any) -> EpochLoader:
         return EpochLoader(dataset, batch_size=None, num_workers=self.num_workers, pin_memory=self.pin_memory,
@@ -299,9 +301,8 @@ class WebDatasetDataModule(pl.LightningDataModule):
         return batches_per_worker(self.train_samples_per_epoch, self.batch_size, self.num_workers)
 
     def train_dataset(self):
-        mix = (self.train_sources, list(self.train_weights)) if self.train_weights is not None else None
-        return train_pipeline(self.train_urls, self._stages(self.batch_size, True), self.train_batches_per_worker,
-                              mix)
+        return train_pipeline(self.train_sources, self._stages(self.batch_size, True), self.train_batches_per_worker,
+                              self.train_weights)
 
     def val_dataset(self):
         return val_pipeline(self.val_urls, self._stages(self.val_batch_size, False))
