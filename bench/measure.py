@@ -25,6 +25,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the skip policy it is measured with (static: a prefix of its trained removal order, "
                              "and the pruned release for a LoRA-healed adapter)")
     add_eval_arguments(parser, targets=[0.2])
+    parser.add_argument("--eval-split", default="test", choices=["test", "val"],
+                        help="where the captions and the perplexity text come from: test for reported numbers, "
+                             "val for choosing a recipe (its text chunks follow the ones per-token policies calibrate "
+                             "on; the caption calibration batches are val images too, so per-token policies read "
+                             "in-sample there)")
     parser.add_argument("--runs", default=str(RUNS),
                         help="where the benchmark caches its removal searches (per-token policies rank blocks there)")
     parser.add_argument("--out", default=None, help="JSON file for the records (default: ADAPTER/../measure.json)")

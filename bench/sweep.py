@@ -56,10 +56,10 @@ SCORED_ON = "real text positions"
 # -- measuring ---------------------------------------------------------------------------------------------
 @dataclass
 class EvalSet:
-    captions: list[dict[str, Any]]      # B=1 prompt inputs, one per test image
+    captions: list[dict[str, Any]]      # B=1 prompt inputs, one per test image (val: `bench.measure --eval-split`)
     references: list[str]
     batch8: dict[str, Any]              # a left-padded batch of 8 prompts for decode speed
-    text_chunks: list[torch.Tensor]     # held-out Austen token chunks for perplexity
+    text_chunks: list[torch.Tensor]     # held-out (test, or val) Austen token chunks for perplexity
     calibration: list[dict[str, Any]]   # caption + text batches from the val splits (also rank blocks for removal)
     calibration_by_workload: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     """Val batches by workload: "captions" (the caption batches of `calibration`) and "text" (raw val text chunked
@@ -594,6 +594,7 @@ def _chunks(tokenizer, text: str, length: int, count: int) -> list[torch.Tensor]
 
 
 def build_eval_set(processor, manifest: dict[str, Any], args) -> EvalSet:
+    """The eval set of `args`' settings: test captions and text, or val with `args.eval_split == "val"`."""
     from vlm_retrofit.batch import model_inputs
     from vlm_retrofit.datamodules import WebDatasetDataModule
 
@@ -601,7 +602,8 @@ def build_eval_set(processor, manifest: dict[str, Any], args) -> EvalSet:
     from .real_vlm import load_image
 
     tokenizer = getattr(processor, "tokenizer", processor)
-    test = tuxpaint_split("test")[: args.caption_samples]
+    split = getattr(args, "eval_split", "test")
+    test = tuxpaint_split(split)[: args.caption_samples]
     images = [load_image(path) for path, _ in test]
     captions = [prompt_inputs(processor, [image]) for image in images]
     calibration = []
@@ -629,7 +631,12 @@ def build_eval_set(processor, manifest: dict[str, Any], args) -> EvalSet:
         for batch, _ in zip(data.val_dataloader(), range(args.replacement_batches)):
             inputs = model_inputs(batch)
             replacement_calibration.append((inputs, inputs["attention_mask"].bool()))
-    text = Path(manifest["austen_test"]["path"]).read_text()
+    if split == "test":
+        text_chunks = _chunks(tokenizer, Path(manifest["austen_test"]["path"]).read_text(), args.chunk_tokens,
+                              args.text_chunks)
+    else:  # the val text after the chunks the per-token policies calibrate on
+        text_chunks = _chunks(tokenizer, val_text, args.chunk_tokens, len(val_chunks) + args.text_chunks)[len(val_chunks):]
+
     def to(inputs: dict[str, Any]) -> dict[str, Any]:
         return {k: v.to(args.device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
 
@@ -637,7 +644,7 @@ def build_eval_set(processor, manifest: dict[str, Any], args) -> EvalSet:
     calibration = [to(b) for batches in calibration for b in batches]
     return EvalSet(captions=[to(c) for c in captions], references=[caption for _, caption in test],
                    batch8=to(prompt_inputs(processor, (images * 8)[:8])),
-                   text_chunks=[c.to(args.device) for c in _chunks(tokenizer, text, args.chunk_tokens, args.text_chunks)],
+                   text_chunks=[c.to(args.device) for c in text_chunks],
                    calibration=calibration,
                    calibration_by_workload={"captions": calibration[:caption_batches],
                                             "text": [to(b) for b in text_calibration]},
