@@ -30,6 +30,7 @@ from .losses import (PENALTIES, compute_penalty, distillation_kl, drop_rate_at, 
                      routing_entropies)
 from .optim import SCHEDULES, base_lr, build_optimizer, lr_lambda
 from .precision import autocast_lora_inputs, lora_layers
+from .prefix import first_adapted_layer, layer_input_captured, layer_input_replaced
 
 log = logging.getLogger("vlm_retrofit.training")
 
@@ -118,6 +119,7 @@ class RetrofitModule(pl.LightningModule):
         seed: int = 0,
         select_logits: bool = True,
         log_per_block: bool = True,
+        share_teacher_prefix: bool = True,
     ) -> None:
         """
         Args:
@@ -224,6 +226,13 @@ class RetrofitModule(pl.LightningModule):
             select_logits: compute logits only at sequence positions some row trains on (saves memory with
                 large vocabularies); off = full logits.
             log_per_block: also log keep ratios per block and routing entropy per router.
+            share_teacher_prefix: in LoRA healing (`train_routers: false`), the student does not rerun the layers
+                below both the first removed layer and the first layer holding a LoRA (or any trainable
+                parameter): it takes their output from the teacher's forward, which ran the same weights on the
+                same inputs (the same loss and gradients; with the LoRA on the layers above a removal only, the
+                student runs those alone). Checked on the first step it applies to against the student run whole,
+                and turned off with a warning where the two disagree (a family whose decoder acts by layer
+                position). Not with `hidden_weight` (it compares every kept layer's output).
         """
         super().__init__()
         router_cfg = _router_config(router)
@@ -316,6 +325,8 @@ class RetrofitModule(pl.LightningModule):
         self.nonfinite_steps = 0
         self.nonfinite_streak = 0
         self.stop_reason: str | None = None
+        self._first_adapted_layer: int | None = None
+        self._prefix_verified: bool | None = None  # share_teacher_prefix: None until checked on a step
 
     # ------------------------------------------------------------------ structure
     @property
@@ -509,6 +520,47 @@ class RetrofitModule(pl.LightningModule):
         with autocast_lora_inputs(self._lora_layers, self.device.type):
             return self.model(**inputs)
 
+    def shared_prefix_layers(self, removed_layers: list[int]) -> int:
+        """How many leading decoder layers the healing student with `removed_layers` deleted takes from the
+        teacher's forward (`share_teacher_prefix`): those below the first removed layer, the first one holding a
+        LoRA or a trainable parameter and the layer carrying a linear replacement; 0 = none."""
+        if (not removed_layers or not self.hparams.share_teacher_prefix or self._prefix_verified is False
+                or self.hparams.hidden_weight or self.hparams.train_routers):
+            return 0
+        if self._first_adapted_layer is None:  # LoRA and trainable parameters are set at construction
+            self._first_adapted_layer = first_adapted_layer(self.adapter.spec.get_layers(self.model), self.model,
+                                                            self._lora_layers)
+        return min(min(removed_layers), self._first_adapted_layer, *(self.replacements or {}))
+
+    def _removal_forward(self, inputs: dict[str, Any], keep: Tensor | None, removed_layers: list[int],
+                         shared: int = 0, prefix_output: Tensor | None = None):
+        """The healing student: the backbone without `removed_layers` (identity routing, any linear replacement
+        in place); with `shared`, its first `shared` layers do not run and the next kept one receives
+        `prefix_output` (what the teacher's layer `shared` received) instead."""
+        spec = self.adapter.spec
+        skipped = sorted({*range(shared), *removed_layers})
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(self.adapter.disabled())
+            stack.enter_context(replacements_applied(self.model, spec, self.replacements or {}))
+            if shared:
+                layers = spec.get_layers(self.model)
+                first_kept = next(i for i in range(len(layers)) if i not in skipped)
+                stack.enter_context(layer_input_replaced(layers[first_kept], prefix_output))
+            stack.enter_context(layers_removed(self.model, spec, skipped))
+            return self._forward(inputs, keep)
+
+    def _verify_shared_prefix(self, logits: Tensor, inputs: dict[str, Any], keep: Tensor | None,
+                              removed_layers: list[int]) -> None:
+        """Compare the student's `logits` from the shared prefix with the student run whole (once)."""
+        with torch.no_grad():
+            whole = self._removal_forward(inputs, keep, removed_layers).logits.float()
+        error = float((logits.detach().float() - whole).abs().max())
+        self._prefix_verified = error <= 1e-3 * max(1.0, float(whole.abs().max()))
+        if not self._prefix_verified:
+            rank_zero_warn(f"share_teacher_prefix: the student's logits from the teacher's first layers differ from "
+                           f"its own forward by up to {error:.3g} on {self.hparams.backbone}; the student runs "
+                           "whole from now on (set share_teacher_prefix: false to skip this check)")
+
     def hidden_state_pairs(self, removed: list[int]) -> list[tuple[int, int]]:
         """(student, teacher) indices into `hidden_states` of the layer outputs the hidden-state term compares
         when `removed` blocks are deleted: every kept layer from the first removed one on (the last one is the
@@ -534,16 +586,21 @@ class RetrofitModule(pl.LightningModule):
             if bool(columns.any()) and not bool(columns.all()):
                 keep = columns.nonzero().squeeze(-1)
                 mask = mask[:, keep]
-        with self.teacher():
-            teacher = self._forward(inputs, keep)
         removed = self.removed_blocks(seed, largest=largest_removal)
         layout = self.adapter.layout
+        removed_layers = [] if self.hparams.train_routers else layout.layers_of_blocks(removed)
+        shared = self.shared_prefix_layers(removed_layers)
+        prefix: dict[str, Tensor] = {}
+        with self.teacher(), (layer_input_captured(self.adapter.spec.get_layers(self.model)[shared], prefix)
+                              if shared else contextlib.nullcontext()):
+            teacher = self._forward(inputs, keep)
         sim = None
         if not self.hparams.train_routers:  # identity routing is the plain residual stream: the layers just go
-            layers = layout.layers_of_blocks(removed)
-            with (self.adapter.disabled(), replacements_applied(self.model, self.adapter.spec, self.replacements or {}),
-                  layers_removed(self.model, self.adapter.spec, layers)):
-                student = self._forward(inputs, keep)
+            student = self._removal_forward(inputs, keep, removed_layers, shared, prefix.get("hidden"))
+            if shared and self._prefix_verified is None:
+                self._verify_shared_prefix(student.logits, inputs, keep, removed_layers)
+                if not self._prefix_verified:
+                    student = self._removal_forward(inputs, keep, removed_layers)
         else:
             # The compute a decode saves is on text tokens: padding and image placeholders do not count.
             sim = self.simulation(drop_rate, seed, removed,
