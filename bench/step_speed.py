@@ -1,11 +1,17 @@
-"""Healing step time on the real VLM: this code's training step vs the reference path (autograd KL, PEFT casts).
+"""Healing step time on the real VLM: this code's training step vs an earlier path (autograd KL, PEFT casts).
 
     python -m bench.step_speed                 # the shipped recipe (configs/smollm2-tuxpaint-long.yaml), 12 batches
     python -m bench.step_speed --batches 20 --config configs/smollm2-tuxpaint.yaml
+    python -m bench.step_speed --against kl-chunks-8m     # the chunked KL with its former 8 M-element chunks
+    python -m bench.step_speed --against whole-student \
+        --lora-target '.*language_model.*layers\.(19|2[0-9])\..*(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)'
 
 The same training batches run through `RetrofitModule.compute_loss` + backward under bf16 autocast, alternating
 batch by batch between the two paths (the machine's drift hits both), and the loss of each pair is compared: the
-paths compute the same thing. Prints the seconds per step of each and their ratio. Needs the bench build.
+paths compute the same thing. `--against` picks the earlier path: `reference` (autograd through log_softmax +
+kl_div, PEFT's fp32 casts of LoRA inputs), `kl-chunks-8m` (the chunked KL in chunks of 8 M positions x vocabulary)
+or `whole-student` (no layer taken from the teacher's forward: `share_teacher_prefix` off; only differs with a LoRA
+above the removal, `--lora-target`). Prints the seconds per step of each and their ratio. Needs the bench build.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from typing import Iterator
 import torch
 import yaml
 
+import vlm_retrofit.training.losses as losses
 import vlm_retrofit.training.module as module_code
 from datamodules import WebDatasetDataModule
 from vlm_retrofit.training import RetrofitModule
@@ -39,6 +46,31 @@ def reference_path(module: RetrofitModule) -> Iterator[None]:
         module_code.distillation_kl, module._lora_layers = kl, layers
 
 
+@contextlib.contextmanager
+def kl_chunks_8m(module: RetrofitModule) -> Iterator[None]:
+    """The chunked KL in the 8 M-element chunks it had before."""
+    chunk = losses.KL_CHUNK_ELEMENTS
+    losses.KL_CHUNK_ELEMENTS = 1 << 23
+    try:
+        yield
+    finally:
+        losses.KL_CHUNK_ELEMENTS = chunk
+
+
+@contextlib.contextmanager
+def whole_student(module: RetrofitModule) -> Iterator[None]:
+    """The student running every layer it keeps (`share_teacher_prefix` off)."""
+    shared = module.hparams.share_teacher_prefix
+    module.hparams.share_teacher_prefix = False
+    try:
+        yield
+    finally:
+        module.hparams.share_teacher_prefix = shared
+
+
+EARLIER_PATHS = {"reference": reference_path, "kl-chunks-8m": kl_chunks_8m, "whole-student": whole_student}
+
+
 def timed_step(module: RetrofitModule, batch, seed: int) -> tuple[float, float]:
     """Seconds of one loss + backward under bf16 autocast, and the loss."""
     start = time.perf_counter()
@@ -54,8 +86,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.step_speed", description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="configs/smollm2-tuxpaint-long.yaml")
     parser.add_argument("--batches", type=int, default=12, help="timed batches, each run by both paths")
+    parser.add_argument("--against", default="reference", choices=sorted(EARLIER_PATHS),
+                        help="the earlier path this code's step is timed against")
+    parser.add_argument("--lora-target", default=None, help="replace the config's LoRA target_modules (a regex)")
     args = parser.parse_args(argv)
     config = yaml.safe_load(open(args.config))
+    if args.lora_target:
+        config["model"]["lora"] = {**config["model"]["lora"], "target_modules": args.lora_target}
+    earlier_path = EARLIER_PATHS[args.against]
     model_class = config["model"].get("model_class") or ""
     if "." in model_class:  # a registered custom class: importing its module registers it
         importlib.import_module(model_class.rsplit(".", 1)[0])
@@ -65,22 +103,24 @@ def main(argv: list[str] | None = None) -> int:
     datamodule.setup("fit")
     batches = list(itertools.islice(datamodule.train_dataloader(), args.batches + 1))
     timed_step(module, batches[0], 0)  # warm-up
-    with reference_path(module):
+    with earlier_path(module):
         timed_step(module, batches[0], 0)
-    seconds: dict[str, list[float]] = {"reference": [], "this code": []}
+    seconds: dict[str, list[float]] = {args.against: [], "this code": []}
     for index, batch in enumerate(batches[1:], start=1):
-        with reference_path(module):
+        with earlier_path(module):
             reference, reference_loss = timed_step(module, batch, index)
         current, loss = timed_step(module, batch, index)
         if abs(loss - reference_loss) > 1e-3 * max(1.0, abs(reference_loss)):
             raise SystemExit(f"bench.step_speed: the two paths disagree on batch {index}: {loss} vs {reference_loss}")
-        seconds["reference"].append(reference)
+        seconds[args.against].append(reference)
         seconds["this code"].append(current)
     total = {k: sum(v) for k, v in seconds.items()}
-    print(f"{args.config}: {args.batches} batches of {data['batch_size']}, bf16 autocast, {torch.get_num_threads()} threads")
+    shared = module.shared_prefix_layers(module.adapter.layout.layers_of_blocks(module.removed_blocks(0, largest=True)))
+    print(f"{args.config}: {args.batches} batches of {data['batch_size']}, bf16 autocast, {torch.get_num_threads()} "
+          f"threads, {shared} layers taken from the teacher")
     for name, values in seconds.items():
-        print(f"  {name:>9}: {total[name] / len(values):.3f} s/step (median {statistics.median(values):.3f})")
-    print(f"  ratio this code / reference: {total['this code'] / total['reference']:.3f} (total time)")
+        print(f"  {name:>13}: {total[name] / len(values):.3f} s/step (median {statistics.median(values):.3f})")
+    print(f"  ratio this code / {args.against}: {total['this code'] / total[args.against]:.3f} (total time)")
     return 0
 
 
