@@ -603,8 +603,8 @@ def build_eval_set(processor, manifest: dict[str, Any], args) -> EvalSet:
 
     tokenizer = getattr(processor, "tokenizer", processor)
     split = getattr(args, "eval_split", "test")
-    test = tuxpaint_split(split)[: args.caption_samples]
-    images = [load_image(path) for path, _ in test]
+    pairs = tuxpaint_split(split)[: args.caption_samples]
+    images = [load_image(path) for path, _ in pairs]
     captions = [prompt_inputs(processor, [image]) for image in images]
     calibration = []
     for name in ("captions-val", "austen-val"):
@@ -642,7 +642,7 @@ def build_eval_set(processor, manifest: dict[str, Any], args) -> EvalSet:
 
     caption_batches = len(calibration[0])
     calibration = [to(b) for batches in calibration for b in batches]
-    return EvalSet(captions=[to(c) for c in captions], references=[caption for _, caption in test],
+    return EvalSet(captions=[to(c) for c in captions], references=[caption for _, caption in pairs],
                    batch8=to(prompt_inputs(processor, (images * 8)[:8])),
                    text_chunks=[c.to(args.device) for c in text_chunks],
                    calibration=calibration,

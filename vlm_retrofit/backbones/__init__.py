@@ -5,6 +5,7 @@ from .registry import (
     BackboneSpec,
     base_fingerprint,
     differing_weights,
+    layer_hidden_states,
     model_type_of,
     register_backbone,
     resolve,
@@ -12,6 +13,7 @@ from .registry import (
     unregister_backbone,
     unchanged_fingerprint,
     unwrap_model,
+    with_layer_hidden_states,
 )
 from . import families  # noqa: F401  (registers the built-in families)
 
@@ -20,6 +22,7 @@ __all__ = [
     "BackboneSpec",
     "base_fingerprint",
     "differing_weights",
+    "layer_hidden_states",
     "model_type_of",
     "register_backbone",
     "resolve",
@@ -27,4 +30,5 @@ __all__ = [
     "unregister_backbone",
     "unchanged_fingerprint",
     "unwrap_model",
+    "with_layer_hidden_states",
 ]

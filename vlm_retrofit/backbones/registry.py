@@ -266,3 +266,16 @@ def unregister_backbone(model_type: str) -> BackboneSpec:
         return _REGISTRY.pop(model_type)
     except KeyError:
         raise ValueError(f"backbone {model_type!r} is not registered; registered: {supported_model_types()}") from None
+
+
+def layer_hidden_states(args: tuple, kwargs: dict[str, Any]) -> Tensor:
+    """The hidden states a decoder layer is called with (positional first argument, or the `hidden_states`
+    keyword: families and transformers versions differ), as a forward pre-hook sees them."""
+    return args[0] if args else kwargs["hidden_states"]
+
+
+def with_layer_hidden_states(args: tuple, kwargs: dict[str, Any], hidden: Tensor) -> tuple[tuple, dict[str, Any]]:
+    """A decoder layer's call arguments with `hidden` in place of its hidden states (a forward pre-hook's return)."""
+    if args:
+        return (hidden, *args[1:]), kwargs
+    return args, {**kwargs, "hidden_states": hidden}

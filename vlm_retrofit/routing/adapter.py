@@ -14,7 +14,8 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from ..backbones import BackboneSpec, base_fingerprint, differing_weights, resolve, unwrap_model
+from ..backbones import (BackboneSpec, base_fingerprint, differing_weights, layer_hidden_states, resolve, unwrap_model,
+                         with_layer_hidden_states)
 from ..files import atomic_write
 from .config import BlockLayout, RouterConfig
 from .router import DepthRouter, SkipGate
@@ -35,16 +36,6 @@ _ATTACHED: "weakref.WeakKeyDictionary[nn.Module, RouterAdapter]" = weakref.WeakK
 
 class AdapterMismatchError(ValueError):
     """An adapter (or checkpoint) was made for a different base model than the one given."""
-
-
-def _hidden_from(args: tuple, kwargs: dict) -> Tensor:
-    return args[0] if args else kwargs["hidden_states"]
-
-
-def _with_hidden(args: tuple, kwargs: dict, hidden: Tensor) -> tuple[tuple, dict]:
-    if args:
-        return (hidden, *args[1:]), kwargs
-    return args, {**kwargs, "hidden_states": hidden}
 
 
 class RouterAdapter(nn.Module):
@@ -165,7 +156,7 @@ class RouterAdapter(nn.Module):
                 if block == 0:  # a forward without routing: the previous one's stream (every delta) can go now
                     self._state = StreamState()
                 return None
-            hidden = _hidden_from(args, kwargs)
+            hidden = layer_hidden_states(args, kwargs)
             controller = self._controller
             if block == 0:
                 self._follow_device(hidden)
@@ -178,7 +169,7 @@ class RouterAdapter(nn.Module):
                     controller.decide(0, self._state)
                 return None
             if controller is None:
-                return _with_hidden(args, kwargs, self._push_and_mix(block - 1, hidden, str(block)))
+                return with_layer_hidden_states(args, kwargs, self._push_and_mix(block - 1, hidden, str(block)))
             self._record_delta(block - 1, hidden)
             if controller.bypasses(block):
                 # Every token skips this block and it writes no cache: nothing would read its routed input.
@@ -186,7 +177,7 @@ class RouterAdapter(nn.Module):
                 return None
             routed = self._mix(str(block))
             controller.decide(block, self._state)
-            return _with_hidden(args, kwargs, routed)
+            return with_layer_hidden_states(args, kwargs, routed)
 
         return hook
 
@@ -205,8 +196,8 @@ class RouterAdapter(nn.Module):
     def _final_hook(self, module: nn.Module, args: tuple, kwargs: dict):
         if not self._enabled:
             return None
-        hidden = _hidden_from(args, kwargs)
-        return _with_hidden(args, kwargs, self._push_and_mix(self.layout.num_blocks - 1, hidden, FINAL))
+        hidden = layer_hidden_states(args, kwargs)
+        return with_layer_hidden_states(args, kwargs, self._push_and_mix(self.layout.num_blocks - 1, hidden, FINAL))
 
     def _record_delta(self, block: int, hidden: Tensor) -> None:
         """Push the delta of `block` (its output `hidden` minus its routed input), absent where it was skipped."""

@@ -10,7 +10,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import torch
 from torch import Tensor
 
-from ..backbones.registry import unwrap_model
+from ..backbones.registry import layer_hidden_states, unwrap_model
 from ..batch import model_inputs
 from ..routing.adapter import RouterAdapter
 from .policies import POLICIES, SkipPolicy, StaticPolicy, check_skippable_blocks, recent_source_weight
@@ -86,7 +86,7 @@ def block_influence(adapter: RouterAdapter, batches: Iterable[Mapping[str, Any]]
         span = layout.layers_of_block(block)
 
         def pre(module, args, kwargs, block=block):
-            inputs[block] = (args[0] if args else kwargs["hidden_states"]).float()
+            inputs[block] = layer_hidden_states(args, kwargs).float()
 
         def post(module, args, kwargs, output, block=block):
             out = (output[0] if isinstance(output, tuple) else output).float()

@@ -9,7 +9,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor, nn
 
-from ..backbones import unwrap_model
+from ..backbones import layer_hidden_states, unwrap_model
 from ..routing.adapter import CACHELESS_LAYERS, RouterAdapter
 from .accounting import LayerCost, SkipReport
 from .policies import SkipPolicy
@@ -36,10 +36,6 @@ def kv_only(layer: nn.Module, parts: Any, hidden: Tensor, kwargs: dict) -> None:
     _, keys = parts.rotary_fn(keys, keys, cos, sin)
     extra = {k: v for k, v in kwargs.items() if k not in ("cache", "past_key_values", "position_embeddings", "attention_mask")}
     cache.update(keys, values, attention.layer_idx, kwargs=extra)
-
-
-def _hidden_of(args: tuple, kwargs: dict) -> Tensor:
-    return args[0] if args else kwargs["hidden_states"]
 
 
 def _map_output(output: Any, fn: Callable[[Tensor], Tensor]) -> Any:
@@ -302,7 +298,7 @@ class SkipController:
                        kwargs: dict) -> Any:
         if not self.adapter.enabled:  # e.g. the distillation teacher: the plain layer, outside the report
             return original(*args, **kwargs)
-        hidden = _hidden_of(args, kwargs)
+        hidden = layer_hidden_states(args, kwargs)
         skip = self._skip.get(block)
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         batch, new_tokens = hidden.shape[0], hidden.shape[1]

@@ -1,4 +1,4 @@
-"""Sharing the teacher's forward of the decoder layers below the first trainable or removed one with the student."""
+"""Sharing the teacher's forward of the decoder layers below the first adapted or removed one with the student."""
 
 from __future__ import annotations
 
@@ -7,16 +7,14 @@ from typing import Any, Iterator
 
 from torch import Tensor, nn
 
-
-def _hidden_states(args: tuple, kwargs: dict[str, Any]) -> Tensor:
-    return args[0] if args else kwargs["hidden_states"]
+from ..backbones import layer_hidden_states, with_layer_hidden_states
 
 
 @contextlib.contextmanager
 def layer_input_captured(layer: nn.Module, store: dict[str, Tensor]) -> Iterator[None]:
     """Within the context, every call of `layer` writes the hidden states it receives to `store["hidden"]`."""
     def capture(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
-        store["hidden"] = _hidden_states(args, kwargs)
+        store["hidden"] = layer_hidden_states(args, kwargs)
 
     handle = layer.register_forward_pre_hook(capture, with_kwargs=True)
     try:
@@ -29,9 +27,7 @@ def layer_input_captured(layer: nn.Module, store: dict[str, Tensor]) -> Iterator
 def layer_input_replaced(layer: nn.Module, hidden: Tensor) -> Iterator[None]:
     """Within the context, `layer` receives `hidden` in place of the hidden states its caller passes."""
     def replace(module: nn.Module, args: tuple, kwargs: dict[str, Any]):
-        if args:
-            return (hidden, *args[1:]), kwargs
-        return args, {**kwargs, "hidden_states": hidden}
+        return with_layer_hidden_states(args, kwargs, hidden)
 
     handle = layer.register_forward_pre_hook(replace, with_kwargs=True)
     try:
