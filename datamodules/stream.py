@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 import webdataset as wds
 from torch.utils.data import DataLoader, IterableDataset
 from webdataset.filters import _shuffle
-from webdataset.utils import make_seed, pytorch_worker_info
+from webdataset.utils import pytorch_worker_info
 
 from .formatting import ChatFormatter, Example
 from .quality import SkipCounter
@@ -66,18 +66,39 @@ class EpochPipeline(wds.DataPipeline):
 
 
 class WorkerSeed:
-    """`worker_seed` for `wds.ResampledShards`: differs per rank, worker and epoch; fixed by the base seed.
-
-    With `salt` (a weighted source: the base seed and its index) the seed is `stream_seed` of all of them."""
+    """`worker_seed` for `wds.ResampledShards`: `stream_seed` of `salt` (what the stream is: the pooled shards, or
+    a weighted source and its index, with the base seed), rank, worker and stream epoch."""
 
     def __init__(self, state: EpochState, *salt: int | str) -> None:
         self.state, self.salt = state, salt
 
     def __call__(self) -> int:
         rank, _, worker, _ = pytorch_worker_info()
-        if self.salt:
-            return stream_seed(*self.salt, rank, worker, self.state.stream_epoch)
-        return make_seed(rank, worker, self.state.stream_epoch)
+        return stream_seed(*self.salt, rank, worker, self.state.stream_epoch)
+
+
+class ShardWatch:
+    """Stops a resampled shard stream that never yields a sample (all of its shards unreadable or empty) with a
+    `ShardError` naming it, instead of spinning forever: `opening` counts the shards opened since the last sample
+    `yielding` passed on, and raises past `10 x shards + 10` of them (a run of bad draws that long among usable
+    shards has odds below 2^-10)."""
+
+    def __init__(self, what: str, urls: list[str], remedy: str = "fix those shards or leave them out") -> None:
+        self.what, self.urls, self.remedy, self.opened = what, urls, remedy, 0
+
+    def opening(self, shards: Iterable[dict]) -> Iterator[dict]:
+        self.opened = 0
+        for item in shards:
+            self.opened += 1
+            if self.opened > 10 * len(self.urls) + 10:
+                raise ShardError(f"{self.what} ({self.urls[0]!r}, ... {len(self.urls)} shards): {self.opened - 1} "
+                                 f"shards read in a row without one usable sample; {self.remedy}")
+            yield item
+
+    def yielding(self, samples: Iterable[dict]) -> Iterator[dict]:
+        for sample in samples:
+            self.opened = 0
+            yield sample
 
 
 class SplitResampledShards(wds.ResampledShards):
@@ -92,7 +113,7 @@ class SplitResampledShards(wds.ResampledShards):
         rank, world, worker, workers = pytorch_worker_info()
         n, i = world * workers, rank * workers + worker
         urls = self.urls[i::n] if len(self.urls) >= n else self.urls
-        self.rng = random.Random(make_seed(self.worker_seed(), self.seed))
+        self.rng = random.Random(stream_seed(self.worker_seed(), self.seed))
         for _ in range(self.nshards):
             yield dict(url=urls[self.rng.randint(0, len(urls) - 1)])
 
@@ -104,8 +125,7 @@ class MixedSources(IterableDataset):
     seed, its index, rank, worker and stream epoch) read by `stages.read`; which source the next sample comes from
     is drawn per sample, seeded alike, so the mix holds at every scale of the run instead of in whole-shard
     streaks, and a resumed run draws what an uninterrupted one would. Every sample carries its source's index as
-    `__source__`. A source that opens `10 x shards + 10` shards in a row without yielding a sample (all of its
-    shards unreadable or empty) raises `ShardError` instead of spinning forever."""
+    `__source__`. A source none of whose shards yields a sample stops the run (`ShardWatch`)."""
 
     def __init__(self, sources: list[list[str]], weights: list[float], stages: "Stages") -> None:
         super().__init__()
@@ -114,19 +134,15 @@ class MixedSources(IterableDataset):
 
     def __iter__(self):
         state, seed = self.stages.state, self.stages.seed
-        opened = [0] * len(self.sources)  # shards opened since the source's last sample
 
-        def watched(i: int, urls: list[str]):
-            for item in SplitResampledShards(urls, seed=0, worker_seed=WorkerSeed(state, "source", seed, i),
-                                             deterministic=True):
-                opened[i] += 1
-                if opened[i] > 10 * len(urls) + 10:
-                    raise ShardError(f"train_shards entry {i} ({urls[0]!r}, ... {len(urls)} shards): {opened[i] - 1} "
-                                     "shards read in a row without one usable sample; fix those shards or drop the "
-                                     "entry (and its weight)")
-                yield item
+        def stream(i: int, urls: list[str]) -> Iterator[dict]:
+            watch = ShardWatch(f"train_shards entry {i}", urls,
+                               "fix those shards or drop the entry (and its weight)")
+            shards = SplitResampledShards(urls, seed=0, worker_seed=WorkerSeed(state, "source", seed, i),
+                                          deterministic=True)
+            return watch.yielding(self.stages.read(watch.opening(shards)))
 
-        streams = [self.stages.read(watched(i, urls)) for i, urls in enumerate(self.sources)]
+        streams = [stream(i, urls) for i, urls in enumerate(self.sources)]
         rank, _, worker, _ = pytorch_worker_info()
         rng = random.Random(stream_seed("mix", seed, rank, worker, state.stream_epoch))
         indices = range(len(streams))
@@ -135,7 +151,6 @@ class MixedSources(IterableDataset):
             sample = next(streams[i], None)  # resampled: never ends
             if sample is None:
                 return
-            opened[i] = 0
             sample["__source__"] = i
             yield sample
 
@@ -248,7 +263,7 @@ class Stages:
         if self.shuffle_buffer <= 1:
             return src
         rank, _, worker, _ = pytorch_worker_info()
-        seed = make_seed(self.seed, rank, worker, self.state.stream_epoch)
+        seed = stream_seed("shuffle", self.seed, rank, worker, self.state.stream_epoch)
         return _shuffle(src, bufsize=self.shuffle_buffer, initial=max(1, self.shuffle_buffer // 2), seed=seed)
 
     def decode(self, src):
@@ -322,9 +337,11 @@ def train_pipeline(sources: list[list[str]], stages: Stages, batches_per_worker:
     shard; with them `MixedSources` draws every sample from source i with probability weights[i] / sum."""
     if weights is None:
         urls = [u for urls in sources for u in urls]
-        shards = SplitResampledShards(urls, seed=stages.seed, worker_seed=WorkerSeed(stages.state),
+        shards = SplitResampledShards(urls, seed=stages.seed, worker_seed=WorkerSeed(stages.state, "shards"),
                                       deterministic=True)
-        pipe = EpochPipeline(shards, stages.read, stages.shuffle, stages.decode, stages.collated)
+        watch = ShardWatch("train_shards", urls)
+        pipe = EpochPipeline(shards, watch.opening, stages.read, watch.yielding, stages.shuffle, stages.decode,
+                             stages.collated)
     else:
         pipe = EpochPipeline(MixedSources(sources, weights, stages), stages.shuffle, stages.decode, stages.collated)
     pipe = pipe.with_epoch(batches_per_worker)

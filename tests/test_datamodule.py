@@ -435,6 +435,17 @@ def test_a_source_without_usable_samples_stops_with_its_name(tmp_path):
         list(dm.train_dataloader())
 
 
+def test_pooled_shards_without_usable_samples_stop_instead_of_spinning(tmp_path):
+    (tmp_path / "empty").mkdir()
+    for i in range(3):  # readable tars without one sample (unreadable ones are refused before training)
+        write_tar(tmp_path / "empty" / f"{i}.tar", [])
+    dm = WebDatasetDataModule(PROC, train_shards=str(tmp_path / "empty" / "{0..2}.tar"), num_workers=0, batch_size=2,
+                              train_samples_per_epoch=40)
+    dm.setup("fit")
+    with pytest.raises(ShardError, match=r"^train_shards \(.*0\.tar.*3 shards\): 40 shards read in a row"):
+        list(dm.train_dataloader())
+
+
 def test_a_list_of_shard_builder_folders_trains_on_their_train_splits_and_validates_on_their_val_splits(tmp_path):
     for name in "ab":
         write_synthetic_shards(tmp_path / name, num_samples=40, maxcount=5, val_fraction=0.25, seed=ord(name))
