@@ -417,6 +417,18 @@ def test_calibration_can_keep_image_positions_from_skipping(policy):
         calibrate(adapter, batches, 0.25, "static", store=False, skip_image_positions=False)
 
 
+def test_generated_tokens_count_generation_steps_not_teacher_forced_forwards():
+    model, processor, adapter = _model("qwen2_vl")
+    inputs = tiny_inputs(processor, batch=2)
+    with torch.no_grad(), adapter.skipping(StaticPolicy(blocks=[2])) as report:
+        model(**inputs)  # teacher-forced: scores every position, generates nothing
+        assert report.generated_tokens == 0 and report.prefill.forwards == 1
+        out = model.generate(**inputs, max_new_tokens=5, min_new_tokens=5, do_sample=False)
+    assert out.shape[1] - inputs["input_ids"].shape[1] == 5
+    assert report.generated_tokens == 2 * 5  # one token per row per generate forward (prefill + 4 decode steps)
+    assert report.tokens_per_second == report.generated_tokens / report.wall_seconds
+
+
 def test_skip_report_counts_text_positions_apart():
     model, processor, adapter = _model("qwen2_vl", layers=6)
     image_only = PatternPolicy(lambda block, state: state.token_is_image if block == 2 else None)

@@ -126,6 +126,8 @@ class SkipReport:
     patched and not counted here; their FLOPs are in the phase counts all the same)."""
     wall_seconds: float = 0.0
     generated_tokens: int = 0
+    """Tokens generated: one per row of each forward that was given a KV cache (every forward of `generate`).
+    Teacher-forced calls (no cache passed) count none, so `tokens_per_second` is a generation rate."""
 
     def __post_init__(self) -> None:
         self.block_layers = self.block_layers or [1] * self.num_blocks

@@ -90,6 +90,9 @@ class SkipController:
         self._image_ids = torch.tensor(sorted(adapter.spec.image_token_ids(unwrap_model(adapter.model).config)))
         self._token_is_image: Tensor | None = None
         self._token_is_real: Tensor | None = None
+        self._continues_cache: bool | None = None
+        """Whether the current call of the top model was given a KV cache (generate passes one from its prefill
+        on; a teacher-forced call does not); None when the decoder was called without the top model."""
         self._real_tokens: int | None = None
         self._text_positions: Tensor | None = None
         """Bool [B, T] of real text positions in this forward; None when it holds no visual placeholder."""
@@ -160,11 +163,12 @@ class SkipController:
             self._token_is_image = is_image if bool(is_image.any()) else None
         mask = kwargs.get("attention_mask")
         self._token_is_real = mask.bool() if isinstance(mask, Tensor) and mask.dim() == 2 else None
+        self._continues_cache = any(kwargs.get(name) is not None for name in ("past_key_values", "cache"))
 
     def _forget_input_ids(self, module: nn.Module, args: tuple, output: Any) -> None:
         # The capture describes one call of the top model: a later forward that does not pass through it (the
         # decoder called directly) must not take its image positions or padding.
-        self._token_is_image = self._token_is_real = None
+        self._token_is_image = self._token_is_real = self._continues_cache = None
 
     def _unpatch(self) -> None:
         for layer, previous in reversed(self._restore):
@@ -288,7 +292,10 @@ class SkipController:
         phase = self.report.phase(past == 0)
         phase.forwards += 1
         phase.tokens += batch * new_tokens
-        self.report.generated_tokens += batch  # each forward of generate yields one token per row
+        # Each forward of generate (given its cache from the prefill on) yields one token per row; a teacher-forced
+        # call of the model yields none. Called without the top model, the forward is taken for a generation step.
+        if self._continues_cache is not False:
+            self.report.generated_tokens += batch
         always = sum(cost.full(batch, new_tokens, past + new_tokens) * n for cost, n in self._unpatched_costs.items())
         phase.executed_flops += always
         phase.full_flops += always
