@@ -133,6 +133,7 @@ class DataQualityCallback(pl.Callback):
         self.min_samples = min_samples
         self.check_every_n_batches = check_every_n_batches
         self.tracker = DataQualityTracker()
+        self._restored_run_totals = False
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if isinstance(batch, dict):
@@ -168,6 +169,22 @@ class DataQualityCallback(pl.Callback):
     def state_dict(self) -> dict[str, Any]:
         return {"tracker": self.tracker.state_dict()}
 
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict[str, Any]) -> None:
+        # Only rank 0's checkpoint is written, and every rank of a resumed run restores it. Under DDP it holds the
+        # run's totals summed over ranks, which rank 0 alone takes back (`on_fit_start`): restored on every rank
+        # as they were, rank 0's counts came back once per rank and the other ranks' were lost.
+        state = checkpoint.get("callbacks", {}).get(self.state_key)
+        if trainer.world_size > 1 and state is not None:
+            totals, good, _ = self._reduced(trainer, pl_module)  # every rank saves: the reduction is collective
+            state["tracker"] = {**state["tracker"], "skipped": totals, "num_good": good}
+            state["summed_over_ranks"] = True
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.tracker.load_state_dict(state_dict.get("tracker", {}))
+        self._restored_run_totals = bool(state_dict.get("summed_over_ranks"))
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        if self._restored_run_totals and trainer.global_rank != 0:
+            self.tracker = DataQualityTracker()  # rank 0 carries the run's totals; this rank counts its own anew
+        self._restored_run_totals = False
 

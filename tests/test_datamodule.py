@@ -12,6 +12,7 @@ import torch
 from PIL import Image
 
 from vlm_retrofit.datamodules import (
+    DataQualityCallback,
     DataQualityError,
     ShardError,
     WebDatasetDataModule,
@@ -273,6 +274,41 @@ def test_bad_fraction_check_names_worst_shards():
     assert check_bad_fraction({"corrupt_image": 30}, 10, max_bad_fraction=0.05, min_samples=50) == 0.75  # too few
     with pytest.raises(DataQualityError, match=r"a\.tar \(7 skipped\); b\.tar \(3 skipped\)"):
         check_bad_fraction({"corrupt_image": 6, "empty_text": 4}, 90, 0.05, 50, {"b.tar": 3, "a.tar": 7})
+
+
+def test_skip_totals_survive_a_ddp_resume_counted_once():
+    # Two ranks count their own skips. Only rank 0's checkpoint is written, and both ranks of the resumed run
+    # restore it: the totals summed over ranks must come back as they were, not as rank 0's counts twice.
+    ranks = [DataQualityCallback(min_samples=10**6) for _ in range(2)]
+    ranks[0].tracker.update({"skipped": {"corrupt_image": 2}, "num_samples": 10})
+    ranks[1].tracker.update({"skipped": {"corrupt_image": 3, "bad_json": 1}, "num_samples": 12})
+
+    class Strategy:  # a collective sum over the callbacks of the current "ranks"
+        def __init__(self, callbacks):
+            self.callbacks = callbacks
+
+        def reduce(self, values, reduce_op):
+            return sum(torch.tensor([*c.tracker.totals().values(), c.tracker.num_good], dtype=torch.float64)
+                       for c in self.callbacks)
+
+    def trainers(callbacks):
+        return [type("Trainer", (), {"world_size": 2, "global_rank": r, "strategy": Strategy(callbacks)})()
+                for r in range(2)]
+
+    module = type("Module", (), {"device": torch.device("cpu")})()
+    before = ranks[0]._reduced(trainers(ranks)[0], module)[:2]
+    assert before[0]["corrupt_image"] == 5 and before[0]["bad_json"] == 1 and before[1] == 22
+    checkpoints = [{"callbacks": {c.state_key: c.state_dict()}} for c in ranks]
+    for callback, trainer, checkpoint in zip(ranks, trainers(ranks), checkpoints):
+        callback.on_save_checkpoint(trainer, module, checkpoint)
+    written = checkpoints[0]["callbacks"][ranks[0].state_key]
+
+    resumed = [DataQualityCallback(min_samples=10**6) for _ in range(2)]
+    for callback, trainer in zip(resumed, trainers(resumed)):
+        callback.load_state_dict(written)
+        callback.on_fit_start(trainer, module)
+    assert resumed[0]._reduced(trainers(resumed)[0], module)[:2] == before
+    assert resumed[1].tracker.num_good == 0  # this rank counts its own batches from here
 
 
 class _Consumer(pl.LightningModule):
