@@ -12,12 +12,15 @@ from torch import Tensor
 
 @dataclass
 class OracleCount:
-    """The oracle's skipped / total layer executions over one `UpdateOracle.skipping` context."""
+    """The oracle's skipped / total layer executions over one `UpdateOracle.skipping` context, over real tokens and
+    over real text tokens (image placeholders left out), as a `SkipReport` counts them."""
 
     layer_share: float
     """The oracle's layers as a share of all decoder layers (its skips as a fraction of every layer's executions)."""
     skipped: int = 0
     total: int = 0
+    text_skipped: int = 0
+    text_total: int = 0
 
     @property
     def skip_fraction(self) -> float:
@@ -25,13 +28,24 @@ class OracleCount:
         return self.skipped / self.total if self.total else 0.0
 
     @property
+    def text_skip_fraction(self) -> float:
+        """Over the oracle's layers, real text tokens only."""
+        return self.text_skipped / self.text_total if self.text_total else 0.0
+
+    @property
     def skipped_layer_fraction(self) -> float:
         """Over every decoder layer, as `SkipReport.skipped_layer_fraction` counts."""
         return self.skip_fraction * self.layer_share
 
+    @property
+    def skipped_text_layer_fraction(self) -> float:
+        """Over every decoder layer, real text tokens only, as `SkipReport.skipped_text_layer_fraction` counts."""
+        return self.text_skip_fraction * self.layer_share
+
     @classmethod
     def merged(cls, counts: "list[OracleCount]") -> "OracleCount":
-        return cls(counts[0].layer_share, sum(c.skipped for c in counts), sum(c.total for c in counts))
+        return cls(counts[0].layer_share, *(sum(getattr(c, name) for c in counts)
+                                            for name in ("skipped", "total", "text_skipped", "text_total")))
 
 
 class UpdateOracle:
@@ -39,13 +53,18 @@ class UpdateOracle:
 
     Not a method that saves compute: a reference for how well any predictor of "this layer does little
     here" could do. Thresholds per layer sit at the same quantile of that layer's update distribution.
+    Given `image_token_ids`, visual-placeholder positions run every layer and the target counts real text
+    positions, as our per-token policies do with `skip_image_positions=False`.
     """
 
-    def __init__(self, model, layers: Iterable[int], layer_modules) -> None:
+    def __init__(self, model, layers: Iterable[int], layer_modules, image_token_ids: Iterable[int] = ()) -> None:
         self.model = model
         self.layers = list(layers)
         self.modules = layer_modules
         self.thresholds: dict[int, float] = {}
+        self.image_token_ids = torch.tensor(sorted(image_token_ids), dtype=torch.long)
+        self._image: Tensor | None = None
+        """Bool [B, T] of the image positions in the current call of the model (None: none, or not kept)."""
 
     @staticmethod
     def _relative_update(args, kwargs, output) -> tuple[Tensor, Tensor, Tensor]:
@@ -54,37 +73,55 @@ class UpdateOracle:
         update = (out - hidden).float().norm(dim=-1) / hidden.float().norm(dim=-1).clamp_min(1e-6)
         return hidden, out, update
 
+    def _capture_image_positions(self, module, args, kwargs) -> None:
+        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        self._image = None
+        if self.image_token_ids.numel() and isinstance(input_ids, Tensor):
+            image = torch.isin(input_ids, self.image_token_ids.to(input_ids.device))
+            self._image = image if bool(image.any()) else None
+
+    def _masks(self, shape: torch.Size, real: Tensor | None) -> tuple[Tensor | None, Tensor | None]:
+        """(real tokens, real text tokens) of a layer call's [B, T] positions; None where every position counts."""
+        real = real if real is not None and real.shape == shape else None
+        image = self._image if self._image is not None and self._image.shape == shape else None
+        if image is None:
+            return real, real
+        return real, ~image if real is None else real & ~image
+
     @contextlib.contextmanager
     def _hooks(self, hook) -> Iterator[None]:
         handles = [self.modules[i].register_forward_hook(lambda m, a, k, o, i=i: hook(i, a, k, o), with_kwargs=True)
                    for i in self.layers]
+        handles.append(self.model.register_forward_pre_hook(self._capture_image_positions, with_kwargs=True))
         try:
             yield
         finally:
             for handle in handles:
                 handle.remove()
+            self._image = None
 
     @torch.no_grad()
     def calibrate(self, batches: list[dict[str, Any]], rate: float, *, tolerance: float = 0.005,
                   max_steps: int = 14) -> float:
         """Thresholds under which the oracle, skipping, skips `rate` of the real tokens' layer executions on
-        `batches`; returns the fraction it realises there.
+        `batches` (of the real text tokens' with `image_token_ids`); returns the fraction it realises there.
 
-        Every layer's threshold sits at one quantile q of that layer's updates in the full model. Skipping changes
-        the stream the layers above see, so q = rate does not realise rate (on the real VLM only about half of it:
-        the layers above a skipped one update more); q is bisected on the realised fraction until it is within
-        `tolerance` of rate.
+        Every layer's threshold sits at one quantile q of that layer's updates in the full model (at the positions
+        the target counts). Skipping changes the stream the layers above see, so q = rate does not realise rate
+        (on the real VLM only about half of it: the layers above a skipped one update more); q is bisected on the
+        realised fraction until it is within `tolerance` of rate.
         """
         values: dict[int, list[Tensor]] = {i: [] for i in self.layers}
         current: dict[str, Tensor] = {}
 
         def record(i, args, kwargs, output):
             update = self._relative_update(args, kwargs, output)[2]
-            values[i].append(update[current["real"]] if current["real"].shape == update.shape else update.flatten())
+            counted = self._masks(update.shape, current["real"])[1]  # padding says nothing about real tokens
+            values[i].append(update.flatten() if counted is None else update[counted])
 
         with self._hooks(record):
             for batch in batches:
-                current["real"] = batch["attention_mask"].bool()  # padding says nothing about real tokens
+                current["real"] = batch["attention_mask"].bool()
                 self.model(**batch)
         updates = {i: torch.cat(v) for i, v in values.items()}
         rate = min(max(rate, 0.0), 1.0)
@@ -95,7 +132,7 @@ class UpdateOracle:
                 for batch in batches:
                     current["real"] = batch["attention_mask"].bool()
                     self.model(**batch)
-            return count.skip_fraction
+            return count.text_skip_fraction if self.image_token_ids.numel() else count.skip_fraction
 
         fraction = realised(rate)
         low, high = (rate, 1.0) if fraction < rate else (0.0, rate)  # the realised fraction grows with q
@@ -112,17 +149,21 @@ class UpdateOracle:
 
     @contextlib.contextmanager
     def skipping(self, real: dict[str, Tensor] | None = None) -> Iterator[OracleCount]:
-        """Skip, per token, each layer whose update falls under its threshold; yields the count of skipped / total
-        executions of its layers in this context (only the real tokens' where `real["real"]` holds the current
-        batch's attention mask)."""
+        """Skip, per token, each layer whose update falls under its threshold (image positions never, given
+        `image_token_ids`); yields the count of skipped / total executions of its layers in this context (only the
+        real tokens' where `real["real"]` holds the current batch's attention mask)."""
         count = OracleCount(len(self.layers) / len(self.modules))
 
         def replace(i, args, kwargs, output):
             hidden, out, update = self._relative_update(args, kwargs, output)
             skip = update < self.thresholds[i]
-            mask = real["real"] if real is not None and real["real"].shape == skip.shape else None
-            count.skipped += int(skip.sum() if mask is None else (skip & mask).sum())
-            count.total += skip.numel() if mask is None else int(mask.sum())
+            real_mask, text_mask = self._masks(skip.shape, real["real"] if real is not None else None)
+            if self._image is not None and self._image.shape == skip.shape:
+                skip = skip & ~self._image
+            count.skipped += int(skip.sum() if real_mask is None else (skip & real_mask).sum())
+            count.total += skip.numel() if real_mask is None else int(real_mask.sum())
+            count.text_skipped += int(skip.sum() if text_mask is None else (skip & text_mask).sum())
+            count.text_total += skip.numel() if text_mask is None else int(text_mask.sum())
             return torch.where(skip[..., None], hidden, out)
 
         with self._hooks(replace):

@@ -322,10 +322,12 @@ def add_eval_arguments(parser: argparse.ArgumentParser, targets: list[float]) ->
 def build_parser() -> argparse.ArgumentParser:
     """The command line of `python -m bench.run`."""
     parser = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__)
-    parser.add_argument("--variants", nargs="+",
+    parser.add_argument("--variants", nargs="*",
                         default=["routed_static", "routed_static_lora_mlp_joint", "lora_mlp_joint_plain", "lora_mlp_span",
                                  "lora_mlp_span_elastic", "gate", "gate_b3", "gate_b3_candidates", "recent_weight"],
-                        choices=sorted(VARIANTS))
+                        choices=sorted(VARIANTS),
+                        help="adapters to train (or reuse) and measure; none (`--variants` alone): the base and the "
+                             "training-free baselines only")
     parser.add_argument("--train-minutes", type=float, default=20.0, help="distillation budget per variant (wall clock)")
     parser.add_argument("--train-steps", type=int, default=None,
                         help="override the step count of the variants trained over a fixed number of steps (their "

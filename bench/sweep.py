@@ -29,7 +29,7 @@ CANDIDATE_FACTOR = 1.5
 # skipping the 49 image positions saved almost nothing, yet every caption token reads their keys and values. Chosen on
 # val captions (24 images): `gate_b3_candidates` at 10 % read agreement 0.744 / KL 0.569 with them kept, against
 # 0.672 / 0.743 with them skipping, at the same 10.3 % of text positions skipped. The random and oracle baselines
-# still skip image positions.
+# follow the same rule, so every per-token row is matched on the positions it may skip.
 SKIP_IMAGE_POSITIONS = False
 
 
@@ -477,7 +477,9 @@ def measure_baselines(bench: Bench, targets: list[float], speed_target: float, r
     key = {**key, "targets": list(targets), "speed_target": speed_target, "removal_order": list(removal_order),
            "base": bench.fingerprint(), "oracle_calibration": "bisected to the realised fraction",
            "skipping_recorded": "per workload; Block Influence on real text positions",
-           "span_order": list(span_order or [])}
+           "span_order": list(span_order or []),
+           "per_token_baselines": ("image positions skip" if SKIP_IMAGE_POSITIONS else "image positions run every block")
+           + "; random hashed on position and decoder-input bits"}
     stored = json.loads(cache.read_text()) if reuse and cache.is_file() else {}
     earlier = {(r["method"], r["target"]): r for r in stored.get("records", [])} if stored.get("key") == key else {}
     if reuse:
@@ -540,12 +542,13 @@ def measure_baselines(bench: Bench, targets: list[float], speed_target: float, r
             point(name, target, "static", lambda o=order, t=target: calibrate(
                 identity, data.calibration, t, "static", store=False, order=o).settings)
         point("random", target, "random", lambda t=target: calibrate(
-            identity, data.calibration, t, "random", store=False, tolerance=bench.tolerance).settings)
+            identity, data.calibration, t, "random", store=False, tolerance=bench.tolerance,
+            skip_image_positions=SKIP_IMAGE_POSITIONS).settings)
         # Random skipping over the blocks our per-token policies may skip: what their learned signal must beat.
         cheap = candidates_at(identity, removal_order, target)
         point("random-cheapest", target, "random", lambda t=target, c=cheap: calibrate(
-            identity, data.calibration, t, "random", store=False, tolerance=bench.tolerance, candidates=c).settings,
-            fixed={"blocks": cheap})
+            identity, data.calibration, t, "random", store=False, tolerance=bench.tolerance, candidates=c,
+            skip_image_positions=SKIP_IMAGE_POSITIONS).settings, fixed={"blocks": cheap})
         if data.replacement_calibration:
             replaced_point(target)
     skippable_layers = layout.layers_of_blocks(layout.skippable_blocks)
@@ -563,11 +566,14 @@ def measure_baselines(bench: Bench, targets: list[float], speed_target: float, r
         for target in targets:
             layers = candidates_at(identity, removal_order, target) if cheapest else skippable_layers
             extra = {"candidate_blocks": layers} if cheapest else {}
+            if not SKIP_IMAGE_POSITIONS:
+                extra["image_positions"] = "run every block"
             before = earlier.get((name, target))
             if before is not None and all(before.get(k) == v for k, v in extra.items()):
                 records.append({**before, "quality_from_earlier_run": True})
             else:
-                oracle = UpdateOracle(model, layers, identity.spec.get_layers(model))
+                image_ids = () if SKIP_IMAGE_POSITIONS else identity.spec.image_token_ids(model.config)
+                oracle = UpdateOracle(model, layers, identity.spec.get_layers(model), image_token_ids=image_ids)
                 calibrated = oracle.calibrate(data.calibration, target * layout.num_layers / len(layers))
                 metrics = bench.measure(oracle.skipping, speed=False)
                 metrics["calibration_skipped_fraction"] = calibrated * len(layers) / layout.num_layers

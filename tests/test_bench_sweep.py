@@ -333,6 +333,42 @@ def test_update_oracle_calibrates_on_the_fraction_it_realises_while_skipping():
     assert oracle.thresholds != thresholds
 
 
+def test_update_oracle_can_keep_image_positions_running_and_count_text_positions():
+    from bench.baselines import UpdateOracle
+
+    model, processor = tiny_vlm("llava", num_hidden_layers=8)
+    batches = [dict(tiny_inputs(processor, batch=2)), dict(tiny_inputs(processor, batch=2))]
+    image_ids = resolve(model).image_token_ids(model.config)
+    layers = resolve(model).get_layers(model)
+    kept = UpdateOracle(model, range(1, 8), layers, image_token_ids=image_ids)
+    realised = kept.calibrate(batches, 0.3, tolerance=0.02)
+    assert abs(realised - 0.3) <= 0.02  # the target counts real text positions
+    skipped, current = {"image": 0, "text": 0}, {}
+
+    def count_skips(module, args, kwargs, output):  # registered after the oracle's hook: sees its choice
+        hidden = args[0] if args else kwargs["hidden_states"]
+        out = output[0] if isinstance(output, tuple) else output
+        unchanged = (out == hidden).all(-1)
+        skipped["image"] += int(unchanged[current["image"]].sum())
+        skipped["text"] += int(unchanged[~current["image"]].sum())
+
+    with kept.skipping(real=current) as count, torch.no_grad():
+        handles = [layers[i].register_forward_hook(count_skips, with_kwargs=True) for i in range(1, 8)]
+        try:
+            for batch in batches:
+                current["real"] = batch["attention_mask"].bool()
+                current["image"] = torch.isin(batch["input_ids"], torch.tensor(sorted(image_ids)))
+                assert current["image"].any()
+                model(**batch)
+        finally:
+            for handle in handles:
+                handle.remove()
+    assert skipped["image"] == 0 and skipped["text"] > 0
+    assert count.text_skip_fraction == pytest.approx(realised) and count.text_total < count.total
+    assert count.skip_fraction < count.text_skip_fraction  # image positions count as running every layer
+    assert count.skipped_text_layer_fraction == pytest.approx(realised * 7 / 8)
+
+
 def test_span_order_starts_with_the_cheapest_span_and_is_cached_under_its_settings(tmp_path):
     from bench.sweep import span_removal_order
     from vlm_retrofit.skipping import best_removal_span

@@ -150,7 +150,7 @@ def test_every_buffered_mixing_path_equals_the_listed_layout():
 
 
 def test_a_decode_step_key_is_bitwise_the_key_of_the_same_token_in_a_long_forward():
-    """The random policy hashes key(0): a token must get the same key alone (decoding) and among many (no cache)."""
+    """A token's key is the same alone (decoding) and among many (no cache): its routing cannot drift between them."""
     tokens = torch.randn(1, 300, 64) * 1000
     with torch.no_grad():
         long_stack, short_stack = SourceStack(tokens, 2, 1e-6), SourceStack(tokens[:, -1:], 2, 1e-6)

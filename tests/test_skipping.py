@@ -7,7 +7,8 @@ import torch
 from transformers import DynamicCache
 
 from vlm_retrofit import RouterAdapter, RouterConfig, attach_routers
-from vlm_retrofit.skipping import LayerCost, PatternPolicy, SkipSimulation, StaticPolicy, block_influence, calibrate
+from vlm_retrofit.skipping import (LayerCost, PatternPolicy, RandomPolicy, SkipSimulation, StaticPolicy, block_influence,
+                                   calibrate)
 from vlm_retrofit.testing import tiny_inputs, tiny_vlm
 
 
@@ -415,6 +416,21 @@ def test_calibration_can_keep_image_positions_from_skipping(policy):
     assert report.skipped_layer_fraction < report.skipped_text_layer_fraction  # counted with image positions
     with pytest.raises(ValueError, match="whole blocks"):
         calibrate(adapter, batches, 0.25, "static", store=False, skip_image_positions=False)
+
+
+def test_random_skipping_decides_every_occurrence_of_a_token_on_its_own():
+    # The hash takes the position as well as the token: a text repeating one token still skips at the rate,
+    # not all or nothing per block, and with another seed it skips elsewhere.
+    model, processor, adapter = _model(layers=6)
+    input_ids = torch.full((1, 400), 7)
+    masks = {}
+    for seed in (1, 2):
+        policy = RandomPolicy(rate=0.3, seed=seed)
+        with torch.no_grad(), adapter.skipping(policy) as report:
+            model(input_ids=input_ids)
+            masks[seed] = policy.skip_mask(2, adapter._state, adapter)
+        assert all(0.22 < report.skip_rates[b] < 0.38 for b in adapter.layout.skippable_blocks), report.skip_rates
+    assert 0.3 < (masks[1] != masks[2]).float().mean() < 0.55
 
 
 def test_generated_tokens_count_generation_steps_not_teacher_forced_forwards():

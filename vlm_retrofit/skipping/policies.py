@@ -198,14 +198,18 @@ class StaticPolicy(SkipPolicy):
 
 
 class RandomPolicy(SkipPolicy):
-    """Skip each (token, block) with probability `rate`, by a hash of the token's decoder input; only `blocks`
-    (default: every skippable block) are ever skipped; image positions too unless `skip_image_positions=False`.
+    """Skip each (token, block) with probability `rate`, by a hash of the token's position and its decoder input;
+    only `blocks` (default: every skippable block) are ever skipped; image positions too unless
+    `skip_image_positions=False`.
 
-    A hash rather than an RNG stream: the same token gets the same decision with and without a KV cache
-    and across runs, so random baselines are reproducible and comparable.
+    A hash rather than an RNG stream: the same token gets the same decision with and without a KV cache and
+    across runs, so random baselines are reproducible and comparable. It is integer arithmetic on the exact bits
+    of the decoder input (an embedding row, the same in every pass) and the position in the sequence: no float
+    result that a kernel choice could move by an ulp, and every occurrence of a token decides on its own.
     """
 
     name = "random"
+    _MASK = (1 << 31) - 1
 
     def __init__(self, rate: float, seed: int = 0, blocks: list[int] | None = None,
                  skip_image_positions: bool = True) -> None:
@@ -214,7 +218,8 @@ class RandomPolicy(SkipPolicy):
         self.rate, self.seed = float(rate), int(seed)
         self.skip_image_positions = bool(skip_image_positions)
         self.blocks = None if blocks is None else sorted({int(b) for b in blocks})
-        self._direction: Tensor | None = None
+        self._weights: Tensor | None = None
+        self._hashed: tuple[Any, Tensor] | None = None
 
     def validate(self, layout: BlockLayout, adapter: Any) -> None:
         if self.blocks is not None:
@@ -225,17 +230,33 @@ class RandomPolicy(SkipPolicy):
             return layout.skippable_blocks
         return tuple(b for b in layout.skippable_blocks if b in self.blocks)
 
+    @classmethod
+    def _mix(cls, x: Tensor) -> Tensor:
+        # An integer finaliser on 31-bit values: every product stays below 2^62, so int64 never overflows.
+        for multiplier in (0x2C1B3C6D, 0x297A2D39):
+            x = ((x ^ (x >> 15)) * multiplier) & cls._MASK
+        return x ^ (x >> 15)
+
+    def _token_hash(self, state: Any) -> Tensor:
+        """Int64 [B, T] hash of each token's decoder input bits and position, once per forward."""
+        stack = state.stack
+        if self._hashed is not None and self._hashed[0] is stack:
+            return self._hashed[1]
+        source = stack.source(0)  # the decoder input as pushed: fp32 (buffered) or the model's dtype, same values
+        bits = source.float().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+        weights = self._weights
+        if weights is None or weights.shape[0] != bits.shape[-1] or weights.device != bits.device:
+            generator = torch.Generator().manual_seed(self.seed)  # the same weights on any device
+            weights = torch.randint(1, 1 << 16, (bits.shape[-1],), generator=generator, dtype=torch.int64)
+            self._weights = weights = weights.to(bits.device)
+        positions = state.context_length + torch.arange(bits.shape[1], device=bits.device, dtype=torch.int64)
+        hashed = self._mix(((bits * weights).sum(-1) + positions * 0x9E3779B1 + self.seed) & self._MASK)
+        self._hashed = (stack, hashed)
+        return hashed
+
     def skip_mask(self, block: int, state: Any, adapter: Any) -> Tensor | None:
-        token = state.stack.key(0)  # RMS-normalised decoder input: identical for the same token in any pass
-        direction = self._direction
-        if direction is None or direction.shape[0] != token.shape[-1] or direction.device != token.device:
-            # Drawn on the CPU generator (the same values on any device), moved once: not a copy per block.
-            generator = torch.Generator().manual_seed(self.seed)
-            direction = torch.randn(token.shape[-1], generator=generator, dtype=torch.float64).to(token.device)
-            self._direction = direction
-        projection = token.double() @ direction
-        uniform = torch.frac(torch.sin(projection * 12.9898 + 78.233 * (block + 1)) * 43758.5453).abs()
-        return uniform < self.rate
+        hashed = self._mix((self._token_hash(state) + (block + 1) * 0x632BE5AB) & self._MASK)
+        return hashed.double() / (self._MASK + 1) < self.rate
 
 
 class PatternPolicy(SkipPolicy):
