@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import weakref
 from typing import Any, Callable, Mapping
 
 import torch
@@ -219,7 +220,8 @@ class RandomPolicy(SkipPolicy):
         self.skip_image_positions = bool(skip_image_positions)
         self.blocks = None if blocks is None else sorted({int(b) for b in blocks})
         self._weights: Tensor | None = None
-        self._hashed: tuple[Any, Tensor] | None = None
+        self._hashed: tuple[weakref.ref, Tensor] | None = None
+        """(the stream of the forward it was computed for, the token hash): one hash per forward, no stream kept."""
 
     def validate(self, layout: BlockLayout, adapter: Any) -> None:
         if self.blocks is not None:
@@ -240,7 +242,7 @@ class RandomPolicy(SkipPolicy):
     def _token_hash(self, state: Any) -> Tensor:
         """Int64 [B, T] hash of each token's decoder input bits and position, once per forward."""
         stack = state.stack
-        if self._hashed is not None and self._hashed[0] is stack:
+        if self._hashed is not None and self._hashed[0]() is stack:
             return self._hashed[1]
         source = stack.source(0)  # the decoder input as pushed: fp32 (buffered) or the model's dtype, same values
         bits = source.float().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
@@ -251,7 +253,7 @@ class RandomPolicy(SkipPolicy):
             self._weights = weights = weights.to(bits.device)
         positions = state.context_length + torch.arange(bits.shape[1], device=bits.device, dtype=torch.int64)
         hashed = self._mix(((bits * weights).sum(-1) + positions * 0x9E3779B1 + self.seed) & self._MASK)
-        self._hashed = (stack, hashed)
+        self._hashed = (weakref.ref(stack), hashed)
         return hashed
 
     def skip_mask(self, block: int, state: Any, adapter: Any) -> Tensor | None:
