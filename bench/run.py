@@ -21,6 +21,8 @@ from .sweep import Bench, build_eval_set, joint_removal_order, rank_blocks, sear
 ROOT = Path(__file__).resolve().parent
 CACHE = ROOT / ".cache"
 RUNS = CACHE / "runs"
+BASELINES_OUT = CACHE / "baselines-only"
+"""The default report folder of a run that trains and measures no adapter (`--variants` alone)."""
 PROMPT = "Describe the image."
 
 
@@ -354,12 +356,23 @@ def build_parser() -> argparse.ArgumentParser:
                         help="take the static / random / oracle records from <runs>/baselines.json when an earlier run "
                              "measured them with the same settings and base outputs; their decode speed is still "
                              "measured in this run")
-    parser.add_argument("--out", default=str(ROOT), help="where RESULTS.md, results.json and pareto.png go")
+    parser.add_argument("--out", default=None,
+                        help="where RESULTS.md, results.json and pareto.png go (default: bench/, the recorded results; "
+                             f"with `--variants` alone {BASELINES_OUT.relative_to(ROOT.parent)}, so that a baselines-only "
+                             "report never replaces the recorded table)")
     return parser
+
+
+def report_dir(args: argparse.Namespace) -> Path:
+    """Where the run's report goes: `--out`, else bench/ for a run with variants and BASELINES_OUT without."""
+    if args.out is not None:
+        return Path(args.out)
+    return ROOT if args.variants else BASELINES_OUT
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.out = str(report_dir(args))
     Path(args.out).mkdir(parents=True, exist_ok=True)  # before the hours of work whose report goes there
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

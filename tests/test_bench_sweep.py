@@ -13,7 +13,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # bench/ is a folder at the repository root, not an installed package
 
 from bench.report import write_report  # noqa: E402
-from bench.run import VARIANTS, selected_variants  # noqa: E402
+from bench.run import BASELINES_OUT, ROOT, VARIANTS, build_parser, report_dir, selected_variants  # noqa: E402
 from bench.evaluate import nullmethod, perplexity, routing_share, timed_routing  # noqa: E402
 from bench.sweep import Bench, EvalSet, measure_baselines, measure_pruned  # noqa: E402
 from vlm_retrofit import RouterConfig, attach_routers  # noqa: E402
@@ -223,6 +223,14 @@ def test_report_writes_json_markdown_and_plot(tmp_path):
     assert "lr 0.002 (cosine to 0.1x over 3 steps), routers off (identity, untrained): LoRA only" in table
     assert "`plain`: 3 steps in 0.8 of 1 min" in table and "`routed`: 3 steps in 1.0 min" in table
     assert (out / "pareto.png").stat().st_size > 0
+
+
+def test_a_baselines_only_run_never_writes_over_the_recorded_report(tmp_path):
+    parser = build_parser()
+    assert report_dir(parser.parse_args([])) == ROOT  # make bench: the recorded table
+    baselines_only = parser.parse_args(["--variants"])
+    assert baselines_only.variants == [] and report_dir(baselines_only) == BASELINES_OUT != ROOT
+    assert report_dir(parser.parse_args(["--variants", "--out", str(tmp_path)])) == tmp_path
 
 
 def test_train_steps_override_only_the_fixed_step_variants():
