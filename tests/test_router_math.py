@@ -206,3 +206,20 @@ def test_the_buffered_layout_sees_every_parameter_update():
     routed_alike()
     router.key_norm_weight = torch.nn.Parameter(torch.full((8,), 3.0))
     routed_alike()
+
+
+@pytest.mark.parametrize("k", [3, 7, 31])
+def test_uniform_routing_is_the_residual_sum_bit_for_bit_in_the_listed_layout(k):
+    """At init every mixing weight K * alpha is exactly 1: the mix is the sources' sum in the residual stream's order
+    (K * softmax would round 1/K and K apart, ~1e-4 on a real model's logits)."""
+    torch.manual_seed(k)
+    sources = [torch.randn(2, 70, 64) * 1000 for _ in range(k)]  # 140 tokens: the listed layout in any grad mode
+    residual = sources[0]
+    for source in sources[1:]:
+        residual = residual + source
+    for grad in (True, False):
+        with torch.set_grad_enabled(grad):
+            stack = _stack(sources)
+            assert not stack.buffered
+            mixed, _ = DepthRouter(64, k, source_bias=True)(stack)
+        assert torch.equal(mixed.detach(), residual), grad
