@@ -263,3 +263,21 @@ def test_generation_with_trained_like_routers_matches_the_pytorch_path(monkeypat
     assert torch.equal(fused.sequences, reference.sequences)
     for a, b in zip(fused.scores, reference.scores):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
+
+
+@needs_compiler
+def test_fused_router_at_uniform_routing_is_the_residual_sum_bit_for_bit():
+    """At init a decode step's routed input is the plain sum of the stream's sources in the residual order, for
+    every source count (in fp32, (1/K) * K is not 1 for K = 41, 47, 55, 61, ...)."""
+    shape = (1, 1, 64)
+    first = torch.randn(shape) * 1000
+    outputs = [torch.randn(shape) * 100 for _ in range(62)]
+    with torch.no_grad():
+        stack = SourceStack(first, 64, 1e-6)
+        assert stack.native is not None
+        routed_input, residual = first, first
+        for n, output in enumerate(outputs, start=1):
+            stack.push_delta(routed_input + output, routed_input)
+            residual = residual + stack.source(n)
+            routed_input, _ = DepthRouter(64, n + 1, source_bias=True)(stack)
+            assert torch.equal(routed_input, residual), n

@@ -90,11 +90,14 @@ void vr_route(const vr_stream* s, int64_t k, int64_t row, int any_absent, const 
         }
         float* m = s->routed + (row * tokens + t) * width;
         for (int64_t j = 0; j < width; ++j) m[j] = 0.0f;
+        /* count * alpha as e * (count / total): exactly 1 per source at uniform routing (every e is 1, total is
+           count), so the mix is then the residual stream's own sum of the sources, in its order. */
+        const float per_total = count / total;
         for (int64_t i = 0; i < k; ++i) {
-            float weight = alpha[i * tokens + t] / total;
-            alpha[i * tokens + t] = weight;
-            if (weight == 0.0f) continue;
-            float scaled = weight * count;
+            float e = alpha[i * tokens + t];
+            alpha[i * tokens + t] = e / total;
+            if (e == 0.0f) continue;
+            float scaled = e * per_total;
             const float* v = s->values + (i * tokens + t) * width;
             for (int64_t j = 0; j < width; ++j) m[j] += scaled * v[j];
         }
