@@ -80,13 +80,14 @@ class UpdateOracle:
             image = torch.isin(input_ids, self.image_token_ids.to(input_ids.device))
             self._image = image if bool(image.any()) else None
 
-    def _masks(self, shape: torch.Size, real: Tensor | None) -> tuple[Tensor | None, Tensor | None]:
-        """(real tokens, real text tokens) of a layer call's [B, T] positions; None where every position counts."""
+    def _masks(self, shape: torch.Size, real: Tensor | None) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+        """(real tokens, real text tokens, image positions) of a layer call's [B, T] positions; None where every
+        position counts (no image: none)."""
         real = real if real is not None and real.shape == shape else None
         image = self._image if self._image is not None and self._image.shape == shape else None
         if image is None:
-            return real, real
-        return real, ~image if real is None else real & ~image
+            return real, real, None
+        return real, ~image if real is None else real & ~image, image
 
     @contextlib.contextmanager
     def _hooks(self, hook) -> Iterator[None]:
@@ -157,9 +158,9 @@ class UpdateOracle:
         def replace(i, args, kwargs, output):
             hidden, out, update = self._relative_update(args, kwargs, output)
             skip = update < self.thresholds[i]
-            real_mask, text_mask = self._masks(skip.shape, real["real"] if real is not None else None)
-            if self._image is not None and self._image.shape == skip.shape:
-                skip = skip & ~self._image
+            real_mask, text_mask, image = self._masks(skip.shape, real["real"] if real is not None else None)
+            if image is not None:
+                skip = skip & ~image
             count.skipped += int(skip.sum() if real_mask is None else (skip & real_mask).sum())
             count.total += skip.numel() if real_mask is None else int(real_mask.sum())
             count.text_skipped += int(skip.sum() if text_mask is None else (skip & text_mask).sum())

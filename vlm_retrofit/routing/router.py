@@ -68,12 +68,14 @@ class DepthRouter(nn.Module):
         if present is not None:
             logits = logits.masked_fill(~present, float("-inf"))
             count = present.sum(0).to(logits.dtype)  # [B, T]
-        alpha = torch.softmax(logits, dim=0)
-        # The mixing weights K * alpha, formed as exp(l - max) / (sum / K): at uniform routing every exp is 1 and the
-        # sum is K, so each weight is exactly 1 and the mix is the plain sum of the sources in the residual stream's
-        # own order, bit for bit in fp32 (K * softmax rounds 1/K and K apart: ~1e-4 on real logits).
+        # The softmax by hand, to form the mixing weights K * alpha as exp(l - max) / (sum / K): at uniform routing
+        # every exp is 1 and the sum is K, so each weight is exactly 1 and the mix is the plain sum of the sources in
+        # the residual stream's own order, bit for bit in fp32 (K * softmax rounds 1/K and K apart: ~1e-4 on real
+        # logits). One exp pass serves both.
         shifted = (logits - logits.amax(0, keepdim=True)).exp()  # s_0 is present for every token: a finite max
-        weights = (shifted / (shifted.sum(0, keepdim=True) / count)).unsqueeze(-1)
+        total = shifted.sum(0, keepdim=True)
+        alpha = shifted / total
+        weights = (shifted / (total / count)).unsqueeze(-1)
         mixed = weights[0] * stack.source(0).float()
         in_place = not torch.is_grad_enabled()  # one kernel per source; autograd needs the out-of-place form
         for i in range(1, k):  # source by source: the residual stream's own summation order
