@@ -83,11 +83,12 @@ def test_one_call_push_and_mix_equals_the_two_steps(absent_earlier):
         router(apart)
         apart.push_delta(output, routed)
         expected = router(apart)
-        got = router.push_and_mix(together, output, routed)
-    assert got is not None and len(together) == len(apart) == 3 and together.any_absent == absent_earlier
+        row = together.push_delta_and_route(output, routed, router._inference_params()[1])
+    assert row == 1 and len(together) == len(apart) == 3 and together.any_absent == absent_earlier
     assert torch.equal(together.flat_values(), apart.flat_values())
     assert torch.equal(together.flat_inv_rms(), apart.flat_inv_rms())
-    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+    assert torch.equal(together.native.routed_rows[row], expected[0])
+    assert torch.equal(together.native.alpha[row, :3], expected[1])
     assert torch.equal(before[0], saved)
 
 
@@ -98,10 +99,13 @@ def test_one_call_push_and_mix_declines_where_it_does_not_apply():
     router = _router(4)
     with torch.no_grad():
         dropped = _stream(torch.randn(shape), [("drop",)], 4)
-        assert router.push_and_mix(dropped, torch.randn(shape), torch.randn(shape)) is None and len(dropped) == 1
+        params = router._inference_params()[1]
+        assert dropped.push_delta_and_route(torch.randn(shape), torch.randn(shape), params) is None
+        assert len(dropped) == 1
         plain = _stream(torch.randn(shape), [], 4)
         strided = torch.randn(1, 16, 2)[..., 0].unsqueeze(0)  # not contiguous
-        assert router.push_and_mix(plain, strided, torch.randn(shape)) is None and len(plain) == 1
+        assert plain.push_delta_and_route(strided, torch.randn(shape), params) is None and len(plain) == 1
+        assert plain.push_delta_and_route(torch.randn(shape), strided, params) is None and len(plain) == 1
         assert plain.native.routers_run == 0
 
 
@@ -220,7 +224,11 @@ def test_unusual_inputs_fall_back_to_pytorch_ops():
         assert not stack.native.push_delta(1, torch.randn(1, 1, d), torch.randn(2, 1, d))  # would broadcast
         assert not stack.native.push_delta(5, torch.randn(2, 1, d), torch.randn(2, 1, d))  # no such slot
         short_bias = DepthRouter(d, 1, source_bias=True)  # fewer biases than sources written
-        assert stack.native.route(1, 2, False, torch.zeros(d), short_bias.bias.detach(), None) is None
+        assert stack.native.route(1, 2, False, short_bias._inference_params()[1], None) is None
+        narrow = DepthRouter(d // 2, 2, source_bias=True)  # a scorer of another width would be read past its end
+        assert stack.native.route(1, 1, False, narrow._inference_params()[1], None) is None
+        stack.native.routers_run = stack.native._capacity  # every row written: none is overwritten
+        assert stack.native.route(1, 1, False, DepthRouter(d, 2, source_bias=True)._inference_params()[1], None) is None
 
 
 def test_a_failing_compiler_leaves_routing_in_pytorch_ops(fresh_build, monkeypatch, caplog):
@@ -258,11 +266,17 @@ def test_generation_with_trained_like_routers_matches_the_pytorch_path(monkeypat
                                   return_dict_in_generate=True, pad_token_id=processor.tokenizer.pad_token_id)
 
     fused = generate()
+    fused_weights = adapter.last_routing_weights  # of the last decoding step, left in the kernels' buffer
     monkeypatch.setattr(native, "usable", lambda first: False)
     reference = generate()
     assert torch.equal(fused.sequences, reference.sequences)
     for a, b in zip(fused.scores, reference.scores):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
+    reference_weights = adapter.last_routing_weights
+    assert set(fused_weights) == set(reference_weights) == set(adapter.routers)
+    for key, alpha in reference_weights.items():
+        assert alpha.shape == (adapter.routers[key].num_sources, 2, 1)
+        torch.testing.assert_close(fused_weights[key], alpha, atol=1e-5, rtol=1e-5)
 
 
 @needs_compiler

@@ -148,6 +148,8 @@ class RouterAdapter(nn.Module):
 
     # -- hooks -----------------------------------------------------------------------------------------
     def _block_hook(self, block: int):
+        key = str(block)
+
         def hook(module: nn.Module, args: tuple, kwargs: dict):
             cache = kwargs.get("cache", kwargs.get("past_key_values")) if block == 0 else None
             if cache is not None:
@@ -167,15 +169,19 @@ class RouterAdapter(nn.Module):
                 if controller is not None:
                     controller.begin_forward(self._state)
                     controller.decide(0, self._state)
+                elif stack.native is not None:
+                    # Every router of this forward, checked in one pass here: per layer the same check costs
+                    # several times more, between layers that evict the caches.
+                    self._state.fused_params = [router._inference_params()[1] for router in self.routers.values()]
                 return None
             if controller is None:
-                return with_layer_hidden_states(args, kwargs, self._push_and_mix(block - 1, hidden, str(block)))
+                return with_layer_hidden_states(args, kwargs, self._push_and_mix(block - 1, hidden, key))
             self._record_delta(block - 1, hidden)
             if controller.bypasses(block):
                 # Every token skips this block and it writes no cache: nothing would read its routed input.
                 controller.decide(block, self._state)
                 return None
-            routed = self._mix(str(block))
+            routed = self._mix(key)
             controller.decide(block, self._state)
             return with_layer_hidden_states(args, kwargs, routed)
 
@@ -214,11 +220,14 @@ class RouterAdapter(nn.Module):
         """`_record_delta(block, hidden)`, then `_mix(key)`: one fused call where every token ran the block (no
         skip controller) on a buffered fp32 CPU stream, a decoding step's case."""
         state = self._state
-        if self._controller is None:
-            fused = self.routers[key].push_and_mix(state.stack, hidden, state.routed_input)
-            if fused is not None:
-                state.routed_input, state.alphas[key] = fused
-                return fused[0]
+        if state.fused_params is not None and self._controller is None:
+            stack = state.stack
+            # Router `key` runs after `block`: routers are listed in block order, the final one last.
+            row = stack.push_delta_and_route(hidden, state.routed_input, state.fused_params[block])
+            if row is not None:
+                routed = state.routed_input = stack.native.routed_rows[row]
+                state.fused_rows[key] = row  # its weights stay in the kernels' buffer until asked for
+                return routed
         self._record_delta(block, hidden)
         return self._mix(key)
 
@@ -265,11 +274,13 @@ class RouterAdapter(nn.Module):
     @property
     def last_routing_weights(self) -> dict[str, Tensor]:
         """Routing weights alpha [K, B, T] of each router in the most recent forward, keyed like `routers`."""
-        stack = self._state.stack
-        if stack is None:
+        state = self._state
+        if state.stack is None:
             return {}
+        alphas = {key: state.stack.native.alpha_row(row) for key, row in state.fused_rows.items()}
+        alphas.update(state.alphas)
         # Internally alpha covers the stored sources only; callers index it by source (s_0, block 0's delta, ...).
-        return {key: stack.expand(alpha, self.routers[key].num_sources) for key, alpha in self._state.alphas.items()}
+        return {key: state.stack.expand(alpha, self.routers[key].num_sources) for key, alpha in alphas.items()}
 
     # -- persistence -----------------------------------------------------------------------------------
     def adapter_config(self) -> dict[str, Any]:

@@ -15,6 +15,7 @@ import sys
 import tempfile
 import threading
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -53,13 +54,18 @@ typedef struct {
     float eps;
 } vr_stream;
 
-/* Source `slot` = output - routed_input ([tokens, width] each), and its inverse RMS. */
+/* Source `slot` = output - routed_input ([tokens, width] each; routed_input NULL: output itself, the decoder
+   input), and its inverse RMS. */
 void vr_push_delta(const vr_stream* s, int64_t slot, const float* output, const float* routed_input) {
     for (int64_t t = 0; t < s->tokens; ++t) {
         const float* o = output + t * s->width;
-        const float* r = routed_input + t * s->width;
         float* d = s->values + (slot * s->tokens + t) * s->width;
-        for (int64_t j = 0; j < s->width; ++j) d[j] = o[j] - r[j];
+        if (routed_input) {
+            const float* r = routed_input + t * s->width;
+            for (int64_t j = 0; j < s->width; ++j) d[j] = o[j] - r[j];
+        } else {
+            for (int64_t j = 0; j < s->width; ++j) d[j] = o[j];
+        }
         s->inv_rms[slot * s->tokens + t] = 1.0f / sqrtf(dot_lanes(d, d, s->width) / (float)s->width + s->eps);
     }
 }
@@ -204,23 +210,38 @@ class NativeStream:
     """The buffers of one buffered fp32 CPU stream as the C kernels see them; each step is one foreign call.
 
     Every router writes its own rows of `routed` and `alpha`, so its outputs stay valid for the whole forward
-    without a per-call allocation.
+    without a per-call allocation. At decode time this runs once per layer per token between memory-bound layer
+    kernels that evict every cache, where each Python operation costs several times its warm price: hence plain
+    attributes, output rows split once per forward, and router parameters checked once per forward by the caller.
     """
 
     def __init__(self, values: Tensor, inv_rms: Tensor, present: Tensor, shape: torch.Size, eps: float) -> None:
         capacity, tokens, width = values.shape
-        self.routed_rows = values.new_empty((capacity, *shape)).unbind(0)
-        self.alpha_rows = values.new_empty((capacity, capacity, *shape[:-1])).unbind(0)
-        self._struct = _Stream(values.data_ptr(), inv_rms.data_ptr(), present.data_ptr(),
-                               self.routed_rows[0].data_ptr(), self.alpha_rows[0].data_ptr(),
-                               capacity, tokens, width, eps)
+        routed = values.new_empty((capacity, *shape))
+        self.routed_rows = routed.unbind(0)
+        """Row r: the r-th router's output, [B, T, d] (split once here: a view made per layer costs more)."""
+        self.alpha = values.new_empty((capacity, capacity, *shape[:-1]))
+        """Row r: the r-th router's weights, [K, B, T] for the first K sources it mixed."""
+        self._struct = _Stream(values.data_ptr(), inv_rms.data_ptr(), present.data_ptr(), routed.data_ptr(),
+                               self.alpha.data_ptr(), capacity, tokens, width, eps)
         self._address = ctypes.addressof(self._struct)
         self._keep = (values, inv_rms, present)  # the struct points into these
+        self._capacity, self._width = capacity, width
         self._size = tokens * width
         self._push = _library.vr_push_delta
         self._route = _library.vr_route
         self._push_route = _library.vr_push_route
         self.routers_run = 0
+        self._last_routed: Tensor | None = None
+        self._row_sources = [0] * capacity
+        """How many sources each row's router mixed."""
+
+    def push_source(self, slot: int, source: Tensor) -> bool:
+        """Source `slot` = `source` (the decoder input), as `push_delta` without the subtraction."""
+        if not (slot < self._capacity and _is_plain(source, self._size)):
+            return False
+        self._push(self._address, slot, source.data_ptr(), None)
+        return True
 
     def push_delta(self, slot: int, output: Tensor, routed_input: Tensor) -> bool:
         """Source `slot` = output - routed_input; False (nothing written) unless both are contiguous fp32 CPU
@@ -230,46 +251,79 @@ class NativeStream:
         self._push(self._address, slot, output.data_ptr(), routed_input.data_ptr())
         return True
 
-    def route(self, k: int, num_slots: int, any_absent: bool, scorer: Tensor, bias: Tensor | None,
+    def route(self, k: int, num_slots: int, any_absent: bool, params: "RouterParams | None",
               slot_index: Tensor | None) -> tuple[Tensor, Tensor] | None:
-        """Mix the first k stored sources (of `num_slots` written, dropped ones included; `slot_index` maps them):
-        (routed [B, T, d], alpha [k, B, T]). None unless the parameters are contiguous fp32 CPU tensors of the
-        right sizes: the caller then uses PyTorch ops."""
+        """Mix the first k stored sources (of `num_slots` written, dropped ones included; `slot_index` maps them)
+        with a router's `params`: (routed [B, T, d], alpha [k, B, T]). None where the kernels cannot take the
+        parameters (`params` None) or the rows are used up: the caller then uses PyTorch ops."""
         row = self.routers_run
-        if not self._can_route(row, num_slots, scorer, bias):
+        if not self._can_route(row, num_slots, params):
             return None  # more routers than rows (a hook re-run) or unusual parameters: the PyTorch path
         self.routers_run = row + 1
-        self._route(self._address, k, row, any_absent, scorer.data_ptr(),
-                    None if bias is None else bias.data_ptr(), None if slot_index is None else slot_index.data_ptr())
-        return self.routed_rows[row], self.alpha_rows[row][:k]
+        self._route(self._address, k, row, any_absent, params.scorer_address, params.bias_address,
+                    None if slot_index is None or params.bias_address is None else slot_index.data_ptr())
+        self._last_routed = self.routed_rows[row]
+        self._row_sources[row] = k
+        return self._last_routed, self.alpha[row, :k]
 
-    def push_route(self, slot: int, output: Tensor, routed_input: Tensor, any_absent: bool, scorer: Tensor,
-                   bias: Tensor | None) -> tuple[Tensor, Tensor] | None:
+    def alpha_row(self, row: int) -> Tensor:
+        """The routing weights [K, B, T] the router of `row` wrote (K: the sources it mixed)."""
+        return self.alpha[row, : self._row_sources[row]]
+
+    def push_route(self, slot: int, output: Tensor, routed_input: Tensor, any_absent: bool,
+                   params: "RouterParams | None") -> int | None:
         """`push_delta` into `slot`, then `route` over sources 0..slot (none dropped, so slot i is source i), in
-        one call. None (nothing written) where either step would refuse its inputs: the caller then runs both."""
-        row, k = self.routers_run, slot + 1
-        if not (self._can_push(slot, output, routed_input) and self._can_route(row, k, scorer, bias)):
+        one call: the row it wrote (`routed_rows[row]`, `alpha_row(row)`). None (nothing written) where either
+        step would refuse its inputs: the caller then runs both."""
+        row = self.routers_run
+        # `_can_push` and `_can_route` written out: this runs once per layer per decoded token. A routed input that
+        # is the previous router's row is known to be plain.
+        if (params is None or row >= self._capacity or slot >= self._capacity or params.width != self._width
+                or (params.bias_address is not None and params.bias_length <= slot)
+                or output.dtype is not torch.float32 or not output.is_cpu or not output.is_contiguous()
+                or output.numel() != self._size
+                or (routed_input is not self._last_routed and not _is_plain(routed_input, self._size))):
             return None
         self.routers_run = row + 1
         self._push_route(self._address, slot, output.data_ptr(), routed_input.data_ptr(), row, any_absent,
-                         scorer.data_ptr(), None if bias is None else bias.data_ptr())
-        return self.routed_rows[row], self.alpha_rows[row][:k]
+                         params.scorer_address, params.bias_address)
+        self._last_routed = self.routed_rows[row]
+        self._row_sources[row] = slot + 1
+        return row
 
     # The checks run in Python before any foreign call: a wrong size or layout would be read past in C.
     def _can_push(self, slot: int, output: Tensor, routed_input: Tensor) -> bool:
-        return slot < self._struct.capacity and _is_plain(output, self._size) and _is_plain(routed_input, self._size)
+        return slot < self._capacity and _is_plain(output, self._size) and _is_plain(routed_input, self._size)
 
-    def _can_route(self, row: int, num_slots: int, scorer: Tensor, bias: Tensor | None) -> bool:
-        capacity = self._struct.capacity
-        return (row < capacity and num_slots <= capacity and _is_plain(scorer, self._struct.width)
-                and (bias is None or _is_plain(bias, num_slots, at_least=True)))
+    def _can_route(self, row: int, num_slots: int, params: "RouterParams | None") -> bool:
+        return (params is not None and row < self._capacity and num_slots <= self._capacity
+                and params.width == self._width and (params.bias_address is None or params.bias_length >= num_slots))
 
 
-def _is_plain(tensor: Tensor, size: int, *, at_least: bool = False) -> bool:
-    """A contiguous fp32 CPU tensor of `size` elements (or more): what the kernels may read as a float array."""
-    numel = tensor.numel()
-    return (tensor.dtype is torch.float32 and tensor.is_cpu and tensor.is_contiguous()
-            and (numel >= size if at_least else numel == size))
+class RouterParams(NamedTuple):
+    """A router's parameters as the kernels read them: addresses into contiguous fp32 CPU tensors (held here, so
+    the addresses stay valid as long as this is)."""
+
+    scorer_address: int
+    """The query times the key-norm gain, [width]."""
+    width: int
+    bias_address: int | None
+    """The source bias, or None for a router without one."""
+    bias_length: int
+    tensors: tuple[Tensor, ...]
+
+    @classmethod
+    def of(cls, scorer: Tensor, bias: Tensor | None) -> "RouterParams | None":
+        """None unless `scorer` and `bias` are contiguous fp32 CPU tensors."""
+        if not _is_plain(scorer, scorer.numel()) or (bias is not None and not _is_plain(bias, bias.numel())):
+            return None
+        return cls(scorer.data_ptr(), scorer.numel(), None if bias is None else bias.data_ptr(),
+                   0 if bias is None else bias.numel(), (scorer,) if bias is None else (scorer, bias))
+
+
+def _is_plain(tensor: Tensor, size: int) -> bool:
+    """A contiguous fp32 CPU tensor of `size` elements: what the kernels may read as a float array."""
+    return tensor.dtype is torch.float32 and tensor.is_cpu and tensor.is_contiguous() and tensor.numel() == size
 
 
 class _Stream(ctypes.Structure):

@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
+from .native import RouterParams
+
 if TYPE_CHECKING:
     from .stream import SourceStack
 
@@ -14,9 +16,8 @@ if TYPE_CHECKING:
 def inverse_rms(x: Tensor, eps: float, *, out: Tensor | None = None) -> Tensor:
     """1 / RMS over the hidden dimension, in fp32, without that dimension; written into `out` when given.
 
-    Both forms do the same arithmetic, so a token's key is bitwise the same in either stream layout (the
-    random skip policy hashes key(0), which is always pushed through here; the fused kernels of
-    `routing.native` sum the RMS of later deltas in another order).
+    Both forms do the same arithmetic, so in PyTorch ops a token's key is bitwise the same in either stream layout
+    (the fused kernels of `routing.native` sum the RMS in another order).
     """
     squares = x.float().pow(2)
     if out is None:
@@ -88,33 +89,25 @@ class DepthRouter(nn.Module):
         bias = self._parameters["bias"]
         return bias[:k] if index is None else bias[index]
 
-    def _inference_scorer(self) -> Tensor:
+    def _inference_params(self) -> tuple[Tensor, RouterParams | None]:
+        """The scorer q * g, and the kernels' view of it and of the bias (None where they cannot read them)."""
         # Without autograd the parameters only change in place (optimizer steps, load_state_dict) or by
         # moving, which version counters and data pointers show: fold the gain into the query once, not per call.
         # `_parameters` directly: nn.Module.__getattr__ costs as much as a small kernel at decode time.
         params = self._parameters
-        query, gain = params["query"], params["key_norm_weight"]
-        key = (query._version, gain._version, query.data_ptr(), gain.data_ptr())
+        query, gain, bias = params["query"], params["key_norm_weight"], params["bias"]
+        key = (query._version, gain._version, query.data_ptr(), gain.data_ptr(), bias is not None and bias.data_ptr())
         cached = self.__dict__.get("_scorer_cache")
         if cached is None or cached[0] != key:
-            cached = (key, query * gain)
+            scorer = query * gain
+            cached = (key, scorer, RouterParams.of(scorer, bias))
             self.__dict__["_scorer_cache"] = cached
-        return cached[1]
-
-    def push_and_mix(self, stack: "SourceStack", output: Tensor,
-                     routed_input: Tensor) -> tuple[Tensor, Tensor] | None:
-        """Push a block's delta (`output - routed_input`, every token has it) onto `stack` and mix, in one fused
-        call on buffered fp32 CPU streams; None, with nothing pushed, elsewhere: then `stack.push_delta` and call
-        the router."""
-        if stack.native is None:  # before the scorer: it is cached for inference only
-            return None
-        return stack.push_delta_and_route(output, routed_input, self._inference_scorer(), self._parameters["bias"])
+        return cached[1], cached[2]
 
     def _mix_buffered(self, stack: "SourceStack", k: int) -> tuple[Tensor, Tensor]:
+        scorer, params = self._inference_params()
         if stack.native is not None:  # one fused C call (routing.native) where the parameters allow
-            bias = self._parameters["bias"]
-            fused = stack.native.route(k, stack.num_slots, stack.any_absent, self._inference_scorer(), bias,
-                                       None if bias is None else stack.slot_index())
+            fused = stack.native.route(k, stack.num_slots, stack.any_absent, params, stack.slot_index())
             if fused is not None:
                 return fused
         # Decoding runs this once per block per token on a few tokens, so Python work costs as much as the
@@ -124,7 +117,7 @@ class DepthRouter(nn.Module):
         values = stack.flat_values()  # [K, tokens, d], contiguous
         tokens = values.shape[1]
         flat = values.view(k * tokens, values.shape[2])
-        scores = torch.mv(flat, self._inference_scorer()).view(k, tokens)
+        scores = torch.mv(flat, scorer).view(k, tokens)
         if self._parameters["bias"] is not None:
             logits = torch.addcmul(self._source_bias(stack, k).unsqueeze(1), scores, stack.flat_inv_rms())  # [K, tokens]
         else:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 import torch
 from torch import Tensor
@@ -46,7 +46,8 @@ class SourceStack:
         self.buffered = not torch.is_grad_enabled() and tokens <= self.buffer_max_tokens
         self._count = 0
         self.device = first.device
-        self._slots: list[int] = []
+        self._slots: list[int] | None = None
+        """The slot of each stored source, once one was dropped (until then source i is slot i)."""
         self._dropped = 0
         self._slot_index: Tensor | None = None
         self.any_absent = False
@@ -56,8 +57,6 @@ class SourceStack:
             self._values = first.new_empty((capacity, tokens, width), dtype=torch.float32)
             self._inv_rms = first.new_empty((capacity, tokens), dtype=torch.float32)
             self._present = torch.ones((capacity, tokens), dtype=torch.bool, device=first.device)
-            self.zero = first.new_zeros((), dtype=torch.float32)
-            """A 0-d fp32 zero: the ignored `input` of the routers' addmm (beta = 0)."""
             self.native = (native.NativeStream(self._values, self._inv_rms, self._present, first.shape, eps)
                            if native.usable(first) else None)
             """Fused C kernels for delta pushes and routers (`routing.native`), on buffered fp32 CPU streams."""
@@ -68,6 +67,11 @@ class SourceStack:
             self._present = []
         self.push(first)
 
+    @cached_property
+    def zero(self) -> Tensor:
+        """A 0-d fp32 zero: the ignored `input` of the PyTorch routers' addmm (beta = 0)."""
+        return torch.zeros((), dtype=torch.float32, device=self.device)
+
     def __len__(self) -> int:
         """Number of stored sources (K of the next router)."""
         return self._count
@@ -75,10 +79,12 @@ class SourceStack:
     @property
     def num_slots(self) -> int:
         """Sources written so far, dropped ones included."""
-        return len(self._slots) + self._dropped
+        return self._count + self._dropped
 
     def drop(self) -> None:
         """Record a source that no token has: its slot is used up, nothing is stored."""
+        if self._slots is None:
+            self._slots = list(range(self._count))
         self._dropped += 1
         self._slot_index = None
 
@@ -104,6 +110,9 @@ class SourceStack:
     def push(self, source: Tensor, present: Tensor | None = None) -> None:
         """Append a source [B, T, d]; `present` is a bool [B, T] mask of the tokens that have it (None = all)."""
         if self.buffered:
+            if self.native is not None and self.native.push_source(self._count, source):
+                self._mark_buffered(present)  # the kernel copied it and wrote its inverse RMS
+                return
             self._values[self._count] = source.reshape(-1, source.shape[-1])
             self._push_buffered(present)
         else:
@@ -122,19 +131,19 @@ class SourceStack:
         else:
             self._push_listed(output - routed_input, present)
 
-    def push_delta_and_route(self, output: Tensor, routed_input: Tensor, scorer: Tensor,
-                             bias: Tensor | None) -> tuple[Tensor, Tensor] | None:
-        """`push_delta` of a delta every token has, then a router (`scorer` = query * key-norm gain, `bias` over
-        slots) over all sources, in one fused call (`routing.native`): (routed [B, T, d], alpha [K, B, T]).
+    def push_delta_and_route(self, output: Tensor, routed_input: Tensor,
+                             params: native.RouterParams | None) -> int | None:
+        """`push_delta` of a delta every token has, then a router (its `params`) over all sources, in one fused call
+        (`routing.native`): the row of `native.routed` and `native.alpha` holding the router's output.
 
         None, with nothing pushed, where that call does not apply (no fused kernels, a dropped source, unusual
         inputs): then push and route apart."""
         if self.native is None or self._dropped:
             return None
-        fused = self.native.push_route(self._count, output, routed_input, self.any_absent, scorer, bias)
-        if fused is not None:
-            self._pushed(None)
-        return fused
+        row = self.native.push_route(self._count, output, routed_input, self.any_absent, params)
+        if row is not None:
+            self._count += 1  # _pushed(None) without a dropped slot to track
+        return row
 
     def _push_buffered(self, present: Tensor | None) -> None:
         i = self._count
@@ -153,8 +162,9 @@ class SourceStack:
         self._pushed(present)
 
     def _pushed(self, present: Tensor | None) -> None:
-        self._slots.append(self.num_slots)
-        self._slot_index = None
+        if self._slots is not None:
+            self._slots.append(self.num_slots)
+            self._slot_index = None
         self.any_absent = self.any_absent or present is not None
         self._count += 1
 
@@ -208,6 +218,13 @@ class StreamState:
     stack: SourceStack | None = None
     routed_input: Tensor | None = None
     alphas: dict[str, Tensor] = field(default_factory=dict)
+    """Routing weights [K, B, T] of each router run so far, by key; those of `fused_rows` aside."""
+    fused_params: list[native.RouterParams | None] | None = None
+    """Every router's parameters as the fused kernels read them, in block order (the final router last), when this
+    forward routes through them without a skip controller; else None."""
+    fused_rows: dict[str, int] = field(default_factory=dict)
+    """Routers the fused decode path ran: key -> the row of `stack.native` holding their output; their weights are
+    read from it only on request (`RouterAdapter.last_routing_weights`)."""
     token_is_image: Tensor | None = None
     """Bool [B, T] of visual-placeholder positions, when a skip context knows the input ids and the forward holds
     some (None in decode steps and text-only batches: per-modality rules then cost no work per block)."""
