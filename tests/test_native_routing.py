@@ -165,7 +165,8 @@ def test_more_routers_than_rows_fall_back_to_pytorch_ops():
 def test_only_buffered_fp32_cpu_streams_use_the_kernels():
     with torch.no_grad():
         assert SourceStack(torch.randn(1, 1, 16, dtype=torch.bfloat16), 3, 1e-6).native is None
-        assert SourceStack(torch.randn(1, SourceStack.buffer_max_tokens + 1, 16), 3, 1e-6).native is None
+        assert SourceStack(torch.randn(1, SourceStack.native_max_tokens + 1, 16), 3, 1e-6).native is None
+        assert SourceStack(torch.randn(1, SourceStack.native_max_tokens, 16), 3, 1e-6).native is not None
     assert SourceStack(torch.randn(1, 1, 16), 3, 1e-6).native is None  # autograd: the listed layout
 
 

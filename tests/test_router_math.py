@@ -126,9 +126,11 @@ def test_buffered_decode_layout_equals_the_listed_layout():
             torch.testing.assert_close(stack.present_mask(), listed_stack.present_mask())
 
 
-def test_buffered_layout_is_not_used_for_many_tokens():
+def test_buffered_layout_is_not_used_for_many_tokens(routing_backend):
+    limit = SourceStack.native_max_tokens if routing_backend else SourceStack.buffer_max_tokens
     with torch.no_grad():
-        stack = SourceStack(torch.randn(1, SourceStack.buffer_max_tokens + 1, 8), 3, 1e-6)
+        assert SourceStack(torch.randn(1, limit, 8), 3, 1e-6).buffered
+        stack = SourceStack(torch.randn(1, limit + 1, 8), 3, 1e-6)
     assert not stack.buffered
 
 

@@ -20,7 +20,7 @@ class SourceStack:
     with less work. Stored sources keep their slot number (`slot_index`) so source biases stay aligned.
 
     Two layouts, the same values:
-    * `buffered` (decoding: no autograd, few tokens): each block's delta is written once, by the subtraction
+    * `buffered` (decoding and short prompts: no autograd, few tokens): each block's delta is written once, by the subtraction
       itself, into a preallocated fp32 [capacity, tokens, d] buffer whose first K slots are contiguous, with its
       inverse RMS beside it. A router scores all sources with one matrix-vector product and mixes them with one
       more (a multiply-sum for several tokens). Re-stacking a growing list (or a normalised copy of it) at every
@@ -38,12 +38,20 @@ class SourceStack:
     7e-5 to 1e-4 over a real prompt, the invariant's limit. A buffered layout mixing source by source kept the
     identity but was no faster in prefill (768 tokens: ~1.2x the base vs ~1.15x listed)."""
 
+    native_max_tokens = 96
+    """The same limit where the fused kernels take the stream (fp32 on CPU). They mix source by source in the
+    stream's order, so identity holds at any length, but on one thread: on SmolLM2 (block size 1) a prefill of
+    84 tokens routed at 1.10x the base through them against 1.14x listed, level at 96-128 tokens, behind from 192
+    (1.17x against 1.12x at 768)."""
+
     def __init__(self, first: Tensor, capacity: int, eps: float) -> None:
         self.shape = first.shape
         self.dtype = first.dtype
         self.eps = eps
         tokens, width = first.shape[:-1].numel(), first.shape[-1]
-        self.buffered = not torch.is_grad_enabled() and tokens <= self.buffer_max_tokens
+        use_native = not torch.is_grad_enabled() and native.usable(first)
+        self.buffered = (not torch.is_grad_enabled()
+                         and tokens <= (self.native_max_tokens if use_native else self.buffer_max_tokens))
         self._count = 0
         self.device = first.device
         self._slots: list[int] | None = None
@@ -58,7 +66,7 @@ class SourceStack:
             self._inv_rms = first.new_empty((capacity, tokens), dtype=torch.float32)
             self._present = torch.ones((capacity, tokens), dtype=torch.bool, device=first.device)
             self.native = (native.NativeStream(self._values, self._inv_rms, self._present, first.shape, eps)
-                           if native.usable(first) else None)
+                           if use_native else None)
             """Fused C kernels for delta pushes and routers (`routing.native`), on buffered fp32 CPU streams."""
         else:
             self.native = None
