@@ -166,13 +166,13 @@ class RouterAdapter(nn.Module):
                 # Read before layer 0 writes: the tokens the cache already holds (0 in prefill or without one).
                 context = int(cache.get_seq_length()) if hasattr(cache, "get_seq_length") else 0
                 self._state = StreamState(stack=stack, routed_input=hidden, context_length=context)
-                if controller is not None:
-                    controller.begin_forward(self._state)
-                    controller.decide(0, self._state)
-                elif stack.native is not None:
+                if stack.native is not None:
                     # Every router of this forward, checked in one pass here: per layer the same check costs
                     # several times more, between layers that evict the caches.
                     self._state.fused_params = [router._inference_params()[1] for router in self.routers.values()]
+                if controller is not None:
+                    controller.begin_forward(self._state)
+                    controller.decide(0, self._state)
                 return None
             if controller is None:
                 return with_layer_hidden_states(args, kwargs, self._push_and_mix(block - 1, hidden, key))
@@ -181,7 +181,7 @@ class RouterAdapter(nn.Module):
                 # Every token skips this block and it writes no cache: nothing would read its routed input.
                 controller.decide(block, self._state)
                 return None
-            routed = self._mix(key)
+            routed = self._mix(block - 1, key)
             controller.decide(block, self._state)
             return with_layer_hidden_states(args, kwargs, routed)
 
@@ -229,12 +229,14 @@ class RouterAdapter(nn.Module):
                 state.fused_rows[key] = row  # its weights stay in the kernels' buffer until asked for
                 return routed
         self._record_delta(block, hidden)
-        return self._mix(key)
+        return self._mix(block, key)
 
-    def _mix(self, key: str) -> Tensor:
-        """Mix every source on the stream with router `key`: the input of the next block (or the final norm)."""
+    def _mix(self, block: int, key: str) -> Tensor:
+        """Mix every source on the stream with router `key`, the one after `block`: the input of the next block (or
+        the final norm)."""
         state = self._state
-        routed, alpha = self.routers[key](state.stack)
+        fused = state.stack.route_fused(state.fused_params[block]) if state.fused_params is not None else None
+        routed, alpha = fused if fused is not None else self.routers[key](state.stack)
         state.routed_input = routed
         state.alphas[key] = alpha
         return routed

@@ -106,10 +106,9 @@ class DepthRouter(nn.Module):
 
     def _mix_buffered(self, stack: "SourceStack", k: int) -> tuple[Tensor, Tensor]:
         scorer, params = self._inference_params()
-        if stack.native is not None:  # one fused C call (routing.native) where the parameters allow
-            fused = stack.native.route(k, stack.num_slots, stack.any_absent, params, stack.slot_index())
-            if fused is not None:
-                return fused
+        fused = stack.route_fused(params)  # one C call (routing.native) where the kernels take the stream
+        if fused is not None:
+            return fused
         # Decoding runs this once per block per token on a few tokens, so Python work costs as much as the
         # arithmetic: a handful of kernels whatever K is, each reading the buffer at most once, few helper calls.
         # q . (v * r) == (q . v) * r scores without a normalised copy, and the K multiplier rides on the mixing

@@ -153,6 +153,13 @@ class SourceStack:
             self._count += 1  # _pushed(None) without a dropped slot to track
         return row
 
+    def route_fused(self, params: native.RouterParams | None) -> tuple[Tensor, Tensor] | None:
+        """A router (its `params`) over every stored source in one fused call: (routed [B, T, d], alpha [K, B, T]);
+        None where the kernels do not apply (then the router's PyTorch ops)."""
+        if self.native is None:
+            return None
+        return self.native.route(self._count, self.num_slots, self.any_absent, params, self.slot_index())
+
     def _push_buffered(self, present: Tensor | None) -> None:
         i = self._count
         inverse_rms(self._values[i], self.eps, out=self._inv_rms[i])

@@ -220,8 +220,9 @@ class RandomPolicy(SkipPolicy):
         self.skip_image_positions = bool(skip_image_positions)
         self.blocks = None if blocks is None else sorted({int(b) for b in blocks})
         self._weights: Tensor | None = None
-        self._hashed: tuple[weakref.ref, Tensor] | None = None
-        """(the stream of the forward it was computed for, the token hash): one hash per forward, no stream kept."""
+        self._decided: tuple[weakref.ref, Tensor] | None = None
+        """(the stream of the forward they were computed for, every block's decisions): one pass per forward, no
+        stream kept."""
 
     def validate(self, layout: BlockLayout, adapter: Any) -> None:
         if self.blocks is not None:
@@ -240,11 +241,8 @@ class RandomPolicy(SkipPolicy):
         return x ^ (x >> 15)
 
     def _token_hash(self, state: Any) -> Tensor:
-        """Int64 [B, T] hash of each token's decoder input bits and position, once per forward."""
-        stack = state.stack
-        if self._hashed is not None and self._hashed[0]() is stack:
-            return self._hashed[1]
-        source = stack.source(0)  # the decoder input as pushed: fp32 (buffered) or the model's dtype, same values
+        """Int64 [B, T] hash of each token's decoder input bits and position."""
+        source = state.stack.source(0)  # the decoder input as pushed: fp32 (buffered) or the model's dtype, same values
         bits = source.float().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
         weights = self._weights
         if weights is None or weights.shape[0] != bits.shape[-1] or weights.device != bits.device:
@@ -252,13 +250,23 @@ class RandomPolicy(SkipPolicy):
             weights = torch.randint(1, 1 << 16, (bits.shape[-1],), generator=generator, dtype=torch.int64)
             self._weights = weights = weights.to(bits.device)
         positions = state.context_length + torch.arange(bits.shape[1], device=bits.device, dtype=torch.int64)
-        hashed = self._mix(((bits * weights).sum(-1) + positions * 0x9E3779B1 + self.seed) & self._MASK)
-        self._hashed = (weakref.ref(stack), hashed)
-        return hashed
+        return self._mix(((bits * weights).sum(-1) + positions * 0x9E3779B1 + self.seed) & self._MASK)
+
+    def _decisions(self, state: Any, num_blocks: int) -> Tensor:
+        """Bool [num_blocks, B, T]: every block's decisions for this forward, computed together at its first block
+        (a dozen small integer ops per block would cost more than a decoding step's block)."""
+        stack = state.stack
+        if self._decided is not None and self._decided[0]() is stack:
+            return self._decided[1]
+        hashed = self._token_hash(state)
+        block_keys = torch.arange(1, num_blocks + 1, dtype=torch.int64, device=hashed.device) * 0x632BE5AB
+        mixed = self._mix((hashed + block_keys.view(-1, *[1] * hashed.dim())) & self._MASK)
+        decisions = mixed.double() / (self._MASK + 1) < self.rate
+        self._decided = (weakref.ref(stack), decisions)
+        return decisions
 
     def skip_mask(self, block: int, state: Any, adapter: Any) -> Tensor | None:
-        hashed = self._mix((self._token_hash(state) + (block + 1) * 0x632BE5AB) & self._MASK)
-        return hashed.double() / (self._MASK + 1) < self.rate
+        return self._decisions(state, adapter.layout.num_blocks)[block]
 
 
 class PatternPolicy(SkipPolicy):

@@ -233,6 +233,11 @@ class SkipController:
         token counts come back together instead of one wait each.
         """
         real, text = state.token_is_real, self._text_positions
+        if real is None and text is None:  # every position is real text (a decoding step): one count
+            skipped = int(skip.sum())
+            if self._real_tokens is None:
+                self._real_tokens = self._text_tokens = skip.numel()
+            return skipped, skipped
         counts = {"real": (skip & real).sum() if real is not None else skip.sum()}
         counts["text"] = (skip & text).sum() if text is not None else counts["real"]
         if self._real_tokens is None:
