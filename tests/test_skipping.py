@@ -433,6 +433,21 @@ def test_random_skipping_decides_every_occurrence_of_a_token_on_its_own():
     assert 0.3 < (masks[1] != masks[2]).float().mean() < 0.55
 
 
+def test_random_skipping_decides_each_block_by_its_own_hash():
+    """Every block's decisions, computed together once per forward, are the per-block hash of the token's hash
+    (the recorded random baselines depend on them)."""
+    model, processor, adapter = _model(layers=6)
+    policy = RandomPolicy(rate=0.4, seed=3)
+    with torch.no_grad(), adapter.skipping(policy):
+        model(input_ids=torch.randint(3, 200, (2, 50), generator=torch.Generator().manual_seed(0)))
+        token_hash = policy._token_hash(adapter._state)
+        for block in adapter.layout.skippable_blocks:
+            mixed = RandomPolicy._mix((token_hash + (block + 1) * 0x632BE5AB) & RandomPolicy._MASK)
+            expected = mixed.double() / (RandomPolicy._MASK + 1) < 0.4
+            assert torch.equal(policy.skip_mask(block, adapter._state, adapter), expected)
+            assert 0.2 < expected.float().mean() < 0.6
+
+
 def test_generated_tokens_count_generation_steps_not_teacher_forced_forwards():
     model, processor, adapter = _model("qwen2_vl")
     inputs = tiny_inputs(processor, batch=2)
