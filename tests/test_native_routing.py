@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from vlm_retrofit import RouterConfig, attach_routers
-from vlm_retrofit.routing import DepthRouter, SourceStack, native
+from vlm_retrofit.routing import DepthRouter, SkipGate, SourceStack, native
 from vlm_retrofit.testing import tiny_inputs, tiny_vlm
 
 needs_compiler = pytest.mark.skipif(native.library() is None, reason="no C compiler: routing stays in PyTorch ops")
@@ -278,6 +278,50 @@ def test_generation_with_trained_like_routers_matches_the_pytorch_path(monkeypat
     for key, alpha in reference_weights.items():
         assert alpha.shape == (adapter.routers[key].num_sources, 2, 1)
         torch.testing.assert_close(fused_weights[key], alpha, atol=1e-5, rtol=1e-5)
+
+
+@needs_compiler
+def test_fused_gate_run_probability_equals_the_gate_module():
+    """A skip gate evaluated by the router's kernel on its output: the gate module's probability, to rounding."""
+    d, shape = 16, (2, 3, 16)
+    router, gate = _router(4, d), SkipGate(d, init_bias=1.0)
+    with torch.no_grad():
+        gate.query.normal_()
+        gate.norm_weight.uniform_(0.5, 2.0)
+        stack = _stream(torch.randn(shape) * 20, [("delta", torch.randn(shape) * 5, torch.randn(shape), None)], 4)
+        routed, alpha, run = stack.route_fused(router._inference_params()[1], gate._inference_params())
+        expected = gate(routed, 1e-6)
+        assert run.shape == (2, 3) and 0.0 < float(expected.min()) < float(expected.max()) < 1.0
+        torch.testing.assert_close(run, expected, atol=1e-6, rtol=1e-5)
+        assert stack.route_fused(router._inference_params()[1])[2] is None  # no gate: none computed
+
+
+@needs_compiler
+def test_gate_skipping_decides_the_same_through_the_fused_kernels(monkeypatch):
+    """Generation under the gate policy: the same tokens and the same skips with the gates in the kernels."""
+    model, processor = tiny_vlm("llama", num_hidden_layers=6)
+    adapter = attach_routers(model, RouterConfig(block_size=1, init_scale=0.5, skip_gate=True))
+    with torch.no_grad():
+        for gate in adapter.gates.values():
+            gate.query.normal_(std=0.5)
+    inputs = tiny_inputs(processor, batch=2)
+
+    def generate():
+        with torch.no_grad(), adapter.skipping("gate", threshold=0.7) as report:
+            out = model.generate(**inputs, max_new_tokens=6, min_new_tokens=6, do_sample=False,
+                                 pad_token_id=processor.pad_token_id)
+        return out, report.skip_rates
+
+    module_calls = []
+    original = SkipGate.forward
+    monkeypatch.setattr(SkipGate, "forward", lambda self, *args: module_calls.append(1) or original(self, *args))
+    fused, fused_rates = generate()
+    assert not module_calls  # every gate ran in the router's kernel
+    monkeypatch.setattr(native, "usable", lambda first: False)
+    reference, reference_rates = generate()
+    assert module_calls
+    assert torch.equal(fused, reference)
+    assert fused_rates == reference_rates and 0 < sum(fused_rates) < len(fused_rates)
 
 
 @needs_compiler

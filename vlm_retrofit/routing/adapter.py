@@ -170,6 +170,9 @@ class RouterAdapter(nn.Module):
                     # Every router of this forward, checked in one pass here: per layer the same check costs
                     # several times more, between layers that evict the caches.
                     self._state.fused_params = [router._inference_params()[1] for router in self.routers.values()]
+                    if controller is not None and controller.reads_gates and len(self.gates):  # the same way
+                        self._state.fused_gates = [self.gates[key]._inference_params() if key in self.gates else None
+                                                   for key in self.routers]
                 if controller is not None:
                     controller.begin_forward(self._state)
                     controller.decide(0, self._state)
@@ -235,8 +238,16 @@ class RouterAdapter(nn.Module):
         """Mix every source on the stream with router `key`, the one after `block`: the input of the next block (or
         the final norm)."""
         state = self._state
-        fused = state.stack.route_fused(state.fused_params[block]) if state.fused_params is not None else None
-        routed, alpha = fused if fused is not None else self.routers[key](state.stack)
+        fused = None
+        if state.fused_params is not None:
+            gate = state.fused_gates[block] if state.fused_gates is not None else None
+            fused = state.stack.route_fused(state.fused_params[block], gate)
+        if fused is not None:
+            routed, alpha, gate_run = fused
+            if gate_run is not None:
+                state.gate_run[key] = gate_run
+        else:
+            routed, alpha = self.routers[key](state.stack)
         state.routed_input = routed
         state.alphas[key] = alpha
         return routed
@@ -262,7 +273,8 @@ class RouterAdapter(nn.Module):
         `ran(block)` when the block's delta is recorded: a bool [B, T] run mask, None (all ran) or False
         (no token ran it: the delta is dropped from the stream rather than stored as absent everywhere).
         `bypasses(block)` True means every token skips the block and it writes no cache, so its router
-        is not run at all (the layer returns its input, whatever that is).
+        is not run at all (the layer returns its input, whatever that is). `reads_gates` True asks for the skip
+        gates' run probabilities in `state.gate_run` where the fused kernels route (the policy computes the rest).
         """
         if controller is not None and self._controller is not None:
             raise RuntimeError("skipping is already active on this adapter; nested skip contexts are not supported")

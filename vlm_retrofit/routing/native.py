@@ -50,6 +50,7 @@ typedef struct {
     uint8_t* present; /* [capacity, tokens]: which tokens have each source */
     float* routed;    /* [capacity, tokens, width]: row r = the r-th router's output */
     float* alpha;     /* [capacity, capacity, tokens]: row r = the r-th router's weights, [k, tokens] used */
+    float* gate_run;  /* [capacity, tokens]: row r = a skip gate's run probability on the r-th router's output */
     int64_t capacity, tokens, width;
     float eps;
 } vr_stream;
@@ -72,9 +73,11 @@ void vr_push_delta(const vr_stream* s, int64_t slot, const float* output, const 
 
 /* Router over the first k sources into row `row`: alpha = softmax over the present sources of
    bias[slot_index[i] or i] + (values_i . scorer) * inv_rms_i (bias NULL: none; present consulted only when
-   any_absent), routed = count * sum_i alpha_i * values_i with count = sources present at the token. */
+   any_absent), routed = count * sum_i alpha_i * values_i with count = sources present at the token. With a skip
+   gate (gate not NULL: its query times its norm gain), also gate_run = sigmoid((routed . gate) * inv_rms(routed)
+   + gate_bias[0]), the gate's run probability for the block the routed input feeds. */
 void vr_route(const vr_stream* s, int64_t k, int64_t row, int any_absent, const float* scorer,
-              const float* bias, const int64_t* slot_index) {
+              const float* bias, const int64_t* slot_index, const float* gate, const float* gate_bias) {
     const int64_t tokens = s->tokens, width = s->width;
     float* alpha = s->alpha + row * s->capacity * tokens;
     for (int64_t t = 0; t < tokens; ++t) {
@@ -107,6 +110,11 @@ void vr_route(const vr_stream* s, int64_t k, int64_t row, int any_absent, const 
             const float* v = s->values + (i * tokens + t) * width;
             for (int64_t j = 0; j < width; ++j) m[j] += scaled * v[j];
         }
+        if (gate) {
+            float inv_rms = 1.0f / sqrtf(dot_lanes(m, m, width) / (float)width + s->eps);
+            float logit = dot_lanes(m, gate, width) * inv_rms + gate_bias[0];
+            s->gate_run[row * tokens + t] = 1.0f / (1.0f + expf(-logit));
+        }
     }
 }
 
@@ -115,7 +123,7 @@ void vr_route(const vr_stream* s, int64_t k, int64_t row, int any_absent, const 
 void vr_push_route(const vr_stream* s, int64_t slot, const float* output, const float* routed_input, int64_t row,
                    int any_absent, const float* scorer, const float* bias) {
     vr_push_delta(s, slot, output, routed_input);
-    vr_route(s, slot + 1, row, any_absent, scorer, bias, 0);
+    vr_route(s, slot + 1, row, any_absent, scorer, bias, 0, 0, 0);
 }
 """
 
@@ -178,7 +186,7 @@ def _load(target: Path) -> ctypes.CDLL:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     library.vr_push_delta.argtypes = [ptr, i64, ptr, ptr]
     library.vr_push_delta.restype = None
-    library.vr_route.argtypes = [ptr, i64, i64, ctypes.c_int, ptr, ptr, ptr]
+    library.vr_route.argtypes = [ptr, i64, i64, ctypes.c_int, ptr, ptr, ptr, ptr, ptr]
     library.vr_route.restype = None
     library.vr_push_route.argtypes = [ptr, i64, ptr, ptr, i64, ctypes.c_int, ptr, ptr]
     library.vr_push_route.restype = None
@@ -222,8 +230,11 @@ class NativeStream:
         """Row r: the r-th router's output, [B, T, d] (split once here: a view made per layer costs more)."""
         self.alpha = values.new_empty((capacity, capacity, *shape[:-1]))
         """Row r: the r-th router's weights, [K, B, T] for the first K sources it mixed."""
+        gate_run = values.new_empty((capacity, *shape[:-1]))
+        self.gate_run_rows = gate_run.unbind(0)
+        """Row r: a skip gate's run probability [B, T] on the r-th router's output, where `route` was given one."""
         self._struct = _Stream(values.data_ptr(), inv_rms.data_ptr(), present.data_ptr(), routed.data_ptr(),
-                               self.alpha.data_ptr(), capacity, tokens, width, eps)
+                               self.alpha.data_ptr(), gate_run.data_ptr(), capacity, tokens, width, eps)
         self._address = ctypes.addressof(self._struct)
         self._keep = (values, inv_rms, present)  # the struct points into these
         self._capacity, self._width = capacity, width
@@ -251,27 +262,31 @@ class NativeStream:
         self._push(self._address, slot, output.data_ptr(), routed_input.data_ptr())
         return True
 
-    def route(self, k: int, num_slots: int, any_absent: bool, params: "RouterParams | None",
-              slot_index: Tensor | None) -> tuple[Tensor, Tensor] | None:
+    def route(self, k: int, num_slots: int, any_absent: bool, params: "KernelParams | None",
+              slot_index: Tensor | None, gate: "KernelParams | None" = None) -> tuple[Tensor, Tensor, Tensor | None] | None:
         """Mix the first k stored sources (of `num_slots` written, dropped ones included; `slot_index` maps them)
-        with a router's `params`: (routed [B, T, d], alpha [k, B, T]). None where the kernels cannot take the
-        parameters (`params` None) or the rows are used up: the caller then uses PyTorch ops."""
+        with a router's `params`: (routed [B, T, d], alpha [k, B, T], the `gate`'s run probability [B, T] on the
+        routed input or None without one). None where the kernels cannot take the parameters (`params` None) or
+        the rows are used up: the caller then uses PyTorch ops."""
         row = self.routers_run
         if not self._can_route(row, num_slots, params):
             return None  # more routers than rows (a hook re-run) or unusual parameters: the PyTorch path
+        if gate is not None and (gate.width != self._width or gate.bias_address is None):
+            gate = None  # a gate the kernel cannot read: the policy runs it in PyTorch ops
         self.routers_run = row + 1
         self._route(self._address, k, row, any_absent, params.scorer_address, params.bias_address,
-                    None if slot_index is None or params.bias_address is None else slot_index.data_ptr())
+                    None if slot_index is None or params.bias_address is None else slot_index.data_ptr(),
+                    None if gate is None else gate.scorer_address, None if gate is None else gate.bias_address)
         self._last_routed = self.routed_rows[row]
         self._row_sources[row] = k
-        return self._last_routed, self.alpha[row, :k]
+        return self._last_routed, self.alpha[row, :k], None if gate is None else self.gate_run_rows[row]
 
     def alpha_row(self, row: int) -> Tensor:
         """The routing weights [K, B, T] the router of `row` wrote (K: the sources it mixed)."""
         return self.alpha[row, : self._row_sources[row]]
 
     def push_route(self, slot: int, output: Tensor, routed_input: Tensor, any_absent: bool,
-                   params: "RouterParams | None") -> int | None:
+                   params: "KernelParams | None") -> int | None:
         """`push_delta` into `slot`, then `route` over sources 0..slot (none dropped, so slot i is source i), in
         one call: the row it wrote (`routed_rows[row]`, `alpha_row(row)`). None (nothing written) where either
         step would refuse its inputs: the caller then runs both."""
@@ -295,25 +310,25 @@ class NativeStream:
     def _can_push(self, slot: int, output: Tensor, routed_input: Tensor) -> bool:
         return slot < self._capacity and _is_plain(output, self._size) and _is_plain(routed_input, self._size)
 
-    def _can_route(self, row: int, num_slots: int, params: "RouterParams | None") -> bool:
+    def _can_route(self, row: int, num_slots: int, params: "KernelParams | None") -> bool:
         return (params is not None and row < self._capacity and num_slots <= self._capacity
                 and params.width == self._width and (params.bias_address is None or params.bias_length >= num_slots))
 
 
-class RouterParams(NamedTuple):
-    """A router's parameters as the kernels read them: addresses into contiguous fp32 CPU tensors (held here, so
-    the addresses stay valid as long as this is)."""
+class KernelParams(NamedTuple):
+    """A router's or a skip gate's parameters as the kernels read them: addresses into contiguous fp32 CPU tensors
+    (held here, so the addresses stay valid as long as this is)."""
 
     scorer_address: int
-    """The query times the key-norm gain, [width]."""
+    """The query times the (key-)norm gain, [width]."""
     width: int
     bias_address: int | None
-    """The source bias, or None for a router without one."""
+    """The router's source bias or the gate's bias, or None for a router without one."""
     bias_length: int
     tensors: tuple[Tensor, ...]
 
     @classmethod
-    def of(cls, scorer: Tensor, bias: Tensor | None) -> "RouterParams | None":
+    def of(cls, scorer: Tensor, bias: Tensor | None) -> "KernelParams | None":
         """None unless `scorer` and `bias` are contiguous fp32 CPU tensors."""
         if not _is_plain(scorer, scorer.numel()) or (bias is not None and not _is_plain(bias, bias.numel())):
             return None
@@ -328,5 +343,6 @@ def _is_plain(tensor: Tensor, size: int) -> bool:
 
 class _Stream(ctypes.Structure):
     _fields_ = [("values", ctypes.c_void_p), ("inv_rms", ctypes.c_void_p), ("present", ctypes.c_void_p),
-                ("routed", ctypes.c_void_p), ("alpha", ctypes.c_void_p), ("capacity", ctypes.c_int64),
+                ("routed", ctypes.c_void_p), ("alpha", ctypes.c_void_p), ("gate_run", ctypes.c_void_p),
+                ("capacity", ctypes.c_int64),
                 ("tokens", ctypes.c_int64), ("width", ctypes.c_int64), ("eps", ctypes.c_float)]

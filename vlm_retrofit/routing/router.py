@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
-from .native import RouterParams
+from .native import KernelParams
 
 if TYPE_CHECKING:
     from .stream import SourceStack
@@ -89,7 +89,7 @@ class DepthRouter(nn.Module):
         bias = self._parameters["bias"]
         return bias[:k] if index is None else bias[index]
 
-    def _inference_params(self) -> tuple[Tensor, RouterParams | None]:
+    def _inference_params(self) -> tuple[Tensor, KernelParams | None]:
         """The scorer q * g, and the kernels' view of it and of the bias (None where they cannot read them)."""
         # Without autograd the parameters only change in place (optimizer steps, load_state_dict) or by
         # moving, which version counters and data pointers show: fold the gain into the query once, not per call.
@@ -100,7 +100,7 @@ class DepthRouter(nn.Module):
         cached = self.__dict__.get("_scorer_cache")
         if cached is None or cached[0] != key:
             scorer = query * gain
-            cached = (key, scorer, RouterParams.of(scorer, bias))
+            cached = (key, scorer, KernelParams.of(scorer, bias))
             self.__dict__["_scorer_cache"] = cached
         return cached[1], cached[2]
 
@@ -108,7 +108,7 @@ class DepthRouter(nn.Module):
         scorer, params = self._inference_params()
         fused = stack.route_fused(params)  # one C call (routing.native) where the kernels take the stream
         if fused is not None:
-            return fused
+            return fused[0], fused[1]
         # Decoding runs this once per block per token on a few tokens, so Python work costs as much as the
         # arithmetic: a handful of kernels whatever K is, each reading the buffer at most once, few helper calls.
         # q . (v * r) == (q . v) * r scores without a normalised copy, and the K multiplier rides on the mixing
@@ -146,3 +146,15 @@ class SkipGate(nn.Module):
     def forward(self, routed_input: Tensor, eps: float) -> Tensor:
         """Run probability per token, [B, T] fp32."""
         return torch.sigmoid(rms_normalize(routed_input, eps) @ (self.query * self.norm_weight) + self.bias)
+
+    def _inference_params(self) -> KernelParams | None:
+        """The gate as the fused kernels read it (the query times the norm gain, and the bias), for a routed input
+        they compute; None where they cannot. Cached like `DepthRouter._inference_params`."""
+        params = self._parameters
+        query, gain, bias = params["query"], params["norm_weight"], params["bias"]
+        key = (query._version, gain._version, query.data_ptr(), gain.data_ptr(), bias.data_ptr())
+        cached = self.__dict__.get("_kernel_cache")
+        if cached is None or cached[0] != key:
+            cached = (key, KernelParams.of(query * gain, bias))
+            self.__dict__["_kernel_cache"] = cached
+        return cached[1]

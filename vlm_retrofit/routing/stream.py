@@ -140,7 +140,7 @@ class SourceStack:
             self._push_listed(output - routed_input, present)
 
     def push_delta_and_route(self, output: Tensor, routed_input: Tensor,
-                             params: native.RouterParams | None) -> int | None:
+                             params: native.KernelParams | None) -> int | None:
         """`push_delta` of a delta every token has, then a router (its `params`) over all sources, in one fused call
         (`routing.native`): the row of `native.routed` and `native.alpha` holding the router's output.
 
@@ -153,12 +153,14 @@ class SourceStack:
             self._count += 1  # _pushed(None) without a dropped slot to track
         return row
 
-    def route_fused(self, params: native.RouterParams | None) -> tuple[Tensor, Tensor] | None:
-        """A router (its `params`) over every stored source in one fused call: (routed [B, T, d], alpha [K, B, T]);
-        None where the kernels do not apply (then the router's PyTorch ops)."""
+    def route_fused(self, params: native.KernelParams | None,
+                    gate: native.KernelParams | None = None) -> tuple[Tensor, Tensor, Tensor | None] | None:
+        """A router (its `params`) over every stored source in one fused call: (routed [B, T, d], alpha [K, B, T],
+        the skip `gate`'s run probability [B, T] on the routed input, or None); None where the kernels do not apply
+        (then the router's PyTorch ops)."""
         if self.native is None:
             return None
-        return self.native.route(self._count, self.num_slots, self.any_absent, params, self.slot_index())
+        return self.native.route(self._count, self.num_slots, self.any_absent, params, self.slot_index(), gate)
 
     def _push_buffered(self, present: Tensor | None) -> None:
         i = self._count
@@ -234,9 +236,13 @@ class StreamState:
     routed_input: Tensor | None = None
     alphas: dict[str, Tensor] = field(default_factory=dict)
     """Routing weights [K, B, T] of each router run so far, by key; those of `fused_rows` aside."""
-    fused_params: list[native.RouterParams | None] | None = None
+    fused_params: list[native.KernelParams | None] | None = None
     """Every router's parameters as the fused kernels read them, in block order (the final router last), when this
     forward routes through them without a skip controller; else None."""
+    fused_gates: list[native.KernelParams | None] | None = None
+    """Under a skip controller, the skip gate (if any) of the block each router feeds, like `fused_params`."""
+    gate_run: dict[str, Tensor] = field(default_factory=dict)
+    """Run probabilities [B, T] the fused kernels computed with a router's output, by the key of the block's gate."""
     fused_rows: dict[str, int] = field(default_factory=dict)
     """Routers the fused decode path ran: key -> the row of `stack.native` holding their output; their weights are
     read from it only on request (`RouterAdapter.last_routing_weights`)."""

@@ -16,6 +16,8 @@ class SkipPolicy:
     """Decides, before block `block` runs, which tokens skip it. Only asked for skippable blocks."""
 
     name = "custom"
+    reads_gates = False
+    """True when `skip_mask` reads the adapter's skip gates: the fused kernels then evaluate them as they route."""
     skip_image_positions = True
     """False: visual-placeholder positions run every block (the runtime clears their skips). At batch 1 a
     per-token policy saves prefill compute only where every prompt token skips a block, which almost never
@@ -143,6 +145,7 @@ class GatePolicy(SkipPolicy):
     """
 
     name = "gate"
+    reads_gates = True
 
     def __init__(self, threshold: float | Mapping[int, float] = 0.5,
                  image_threshold: float | Mapping[int, float] | None = None, skip_image_positions: bool = True) -> None:
@@ -166,7 +169,10 @@ class GatePolicy(SkipPolicy):
         image_threshold = _lookup(self.image_threshold, block)
         if threshold is None and image_threshold is None:
             return None
-        run = adapter.gates[str(block)](state.routed_input, adapter.config.key_norm_eps)
+        key = str(block)
+        run = state.gate_run.get(key)  # computed with the routed input by the fused kernels, where they ran
+        if run is None:
+            run = adapter.gates[key](state.routed_input, adapter.config.key_norm_eps)
         return _skip_by_modality(run, threshold, image_threshold, state.token_is_image, torch.lt)
 
 

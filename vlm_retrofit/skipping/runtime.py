@@ -66,6 +66,8 @@ class SkipController:
         self.policy = policy
         self.budget = resolve_budget(budget, len(self.layout.skippable_blocks))
         self.skippable = frozenset(self.layout.skippable_blocks)
+        self.reads_gates = bool(getattr(policy, "reads_gates", False))
+        """Whether the policy reads the adapter's skip gates (the adapter then evaluates them as it routes)."""
         if policy is not None:
             policy.validate(self.layout, adapter)
         self.report = SkipReport(num_blocks=self.layout.num_blocks, policy=getattr(policy, "name", ""),
