@@ -69,39 +69,46 @@ def test_fused_kernels_equal_the_pytorch_ops(batch, tokens, torch_routing, monke
 
 
 @needs_compiler
-@pytest.mark.parametrize("absent_earlier", [False, True])
-def test_one_call_push_and_mix_equals_the_two_steps(absent_earlier):
-    """A layer hook's push and router in one call: bitwise the push then the router, rows kept apart."""
+@pytest.mark.parametrize("earlier_source", ["present", "absent", "dropped"])
+def test_one_call_push_and_mix_equals_the_two_steps(earlier_source):
+    """A layer hook's push and router (and skip gate) in one call: bitwise the push then the router, rows kept apart;
+    after a dropped source too (the biases then follow the slots)."""
     d, shape = 16, (2, 3, 16)
     first, output, routed = torch.randn(shape) * 20, torch.randn(shape) * 5, torch.randn(shape)
-    earlier = [("delta", torch.randn(shape), torch.randn(shape), torch.rand(2, 3) < 0.5 if absent_earlier else None)]
-    router = _router(4, d)
+    absent = torch.rand(2, 3) < 0.5 if earlier_source == "absent" else None
+    earlier = [("delta", torch.randn(shape), torch.randn(shape), absent)]
+    if earlier_source == "dropped":
+        earlier.append(("drop",))
+    router, gate = _router(5, d), SkipGate(d, init_bias=0.5)
     with torch.no_grad():
-        apart, together = _stream(first, earlier, 4), _stream(first, earlier, 4)
+        gate.query.normal_()
+        apart, together = _stream(first, earlier, 5), _stream(first, earlier, 5)
         before = router(together)  # an earlier router's rows must stay intact
         saved = before[0].clone()
         router(apart)
         apart.push_delta(output, routed)
         expected = router(apart)
-        row = together.push_delta_and_route(output, routed, router._inference_params()[1])
-    assert row == 1 and len(together) == len(apart) == 3 and together.any_absent == absent_earlier
+        row = together.push_delta_and_route(output, routed, router._inference_params()[1], gate._inference_params())
+    assert row == 1 and len(together) == len(apart) == 3 and together.any_absent == (earlier_source == "absent")
+    assert together.num_slots == apart.num_slots
     assert torch.equal(together.flat_values(), apart.flat_values())
     assert torch.equal(together.flat_inv_rms(), apart.flat_inv_rms())
     assert torch.equal(together.native.routed_rows[row], expected[0])
-    assert torch.equal(together.native.alpha[row, :3], expected[1])
+    assert torch.equal(together.native.alpha_row(row), expected[1])
+    torch.testing.assert_close(together.native.gate_run_rows[row], gate(expected[0], 1e-6), atol=1e-6, rtol=1e-5)
     assert torch.equal(before[0], saved)
 
 
 @needs_compiler
 def test_one_call_push_and_mix_declines_where_it_does_not_apply():
-    """After a dropped source (slots no longer match positions), or with unusual inputs: nothing is pushed."""
+    """With unusual inputs, or more sources than the router has biases for: nothing is pushed."""
     shape = (1, 1, 16)
-    router = _router(4)
+    router = _router(2)
     with torch.no_grad():
-        dropped = _stream(torch.randn(shape), [("drop",)], 4)
         params = router._inference_params()[1]
+        dropped = _stream(torch.randn(shape), [("drop",)], 4)  # the new source would be slot 2: no bias for it
         assert dropped.push_delta_and_route(torch.randn(shape), torch.randn(shape), params) is None
-        assert len(dropped) == 1
+        assert len(dropped) == 1 and dropped.num_slots == 2
         plain = _stream(torch.randn(shape), [], 4)
         strided = torch.randn(1, 16, 2)[..., 0].unsqueeze(0)  # not contiguous
         assert plain.push_delta_and_route(strided, torch.randn(shape), params) is None and len(plain) == 1

@@ -179,12 +179,12 @@ class RouterAdapter(nn.Module):
                 return None
             if controller is None:
                 return with_layer_hidden_states(args, kwargs, self._push_and_mix(block - 1, hidden, key))
-            self._record_delta(block - 1, hidden)
             if controller.bypasses(block):
                 # Every token skips this block and it writes no cache: nothing would read its routed input.
+                self._record_delta(block - 1, hidden)
                 controller.decide(block, self._state)
                 return None
-            routed = self._mix(block - 1, key)
+            routed = self._push_and_mix(block - 1, hidden, key)
             controller.decide(block, self._state)
             return with_layer_hidden_states(args, kwargs, routed)
 
@@ -220,16 +220,21 @@ class RouterAdapter(nn.Module):
             state.stack.push_delta(hidden, state.routed_input, present)
 
     def _push_and_mix(self, block: int, hidden: Tensor, key: str) -> Tensor:
-        """`_record_delta(block, hidden)`, then `_mix(key)`: one fused call where every token ran the block (no
-        skip controller) on a buffered fp32 CPU stream, a decoding step's case."""
+        """`_record_delta(block, hidden)`, then `_mix(block, key)`: one fused call where every token ran the block,
+        on a buffered fp32 CPU stream (a decoding step's case, with or without a skip policy)."""
         state = self._state
-        if state.fused_params is not None and self._controller is None:
+        controller = self._controller
+        if state.fused_params is not None and (controller is None or controller.ran(block) is None):
             stack = state.stack
+            gate = state.fused_gates[block] if state.fused_gates is not None else None
             # Router `key` runs after `block`: routers are listed in block order, the final one last.
-            row = stack.push_delta_and_route(hidden, state.routed_input, state.fused_params[block])
+            row = stack.push_delta_and_route(hidden, state.routed_input, state.fused_params[block], gate)
             if row is not None:
-                routed = state.routed_input = stack.native.routed_rows[row]
+                native = stack.native
+                routed = state.routed_input = native.routed_rows[row]
                 state.fused_rows[key] = row  # its weights stay in the kernels' buffer until asked for
+                if gate is not None:
+                    state.gate_run[key] = native.gate_run_rows[row]
                 return routed
         self._record_delta(block, hidden)
         return self._mix(block, key)
@@ -269,7 +274,7 @@ class RouterAdapter(nn.Module):
         """Install (or with None remove) the object that decides per token which blocks run.
 
         It is called with `begin_forward(state)` at the first layer, `decide(block, state)` after each
-        block's routing (state.routed_input is that block's input, state.alphas its routing weights) and
+        block's routing (state.routed_input is that block's input, state.alpha(key) its routing weights) and
         `ran(block)` when the block's delta is recorded: a bool [B, T] run mask, None (all ran) or False
         (no token ran it: the delta is dropped from the stream rather than stored as absent everywhere).
         `bypasses(block)` True means every token skips the block and it writes no cache, so its router
@@ -291,10 +296,8 @@ class RouterAdapter(nn.Module):
         state = self._state
         if state.stack is None:
             return {}
-        alphas = {key: state.stack.native.alpha_row(row) for key, row in state.fused_rows.items()}
-        alphas.update(state.alphas)
         # Internally alpha covers the stored sources only; callers index it by source (s_0, block 0's delta, ...).
-        return {key: state.stack.expand(alpha, self.routers[key].num_sources) for key, alpha in alphas.items()}
+        return {key: state.stack.expand(state.alpha(key), self.routers[key].num_sources) for key in state.routed_keys()}
 
     # -- persistence -----------------------------------------------------------------------------------
     def adapter_config(self) -> dict[str, Any]:

@@ -118,12 +118,13 @@ void vr_route(const vr_stream* s, int64_t k, int64_t row, int any_absent, const 
     }
 }
 
-/* A block's delta into source `slot`, then the router over the first slot + 1 sources into row `row`:
-   one call for the two steps a decoder layer's hook runs when no source was ever dropped. */
+/* A block's delta into source `slot`, then the router over the first slot + 1 sources into row `row` (with its
+   skip gate where given): one call for the two steps of a decoder layer's hook. */
 void vr_push_route(const vr_stream* s, int64_t slot, const float* output, const float* routed_input, int64_t row,
-                   int any_absent, const float* scorer, const float* bias) {
+                   int any_absent, const float* scorer, const float* bias, const int64_t* slot_index,
+                   const float* gate, const float* gate_bias) {
     vr_push_delta(s, slot, output, routed_input);
-    vr_route(s, slot + 1, row, any_absent, scorer, bias, 0, 0, 0);
+    vr_route(s, slot + 1, row, any_absent, scorer, bias, slot_index, gate, gate_bias);
 }
 """
 
@@ -188,7 +189,7 @@ def _load(target: Path) -> ctypes.CDLL:
     library.vr_push_delta.restype = None
     library.vr_route.argtypes = [ptr, i64, i64, ctypes.c_int, ptr, ptr, ptr, ptr, ptr]
     library.vr_route.restype = None
-    library.vr_push_route.argtypes = [ptr, i64, ptr, ptr, i64, ctypes.c_int, ptr, ptr]
+    library.vr_push_route.argtypes = [ptr, i64, ptr, ptr, i64, ctypes.c_int, ptr, ptr, ptr, ptr, ptr]
     library.vr_push_route.restype = None
     return library
 
@@ -286,22 +287,28 @@ class NativeStream:
         return self.alpha[row, : self._row_sources[row]]
 
     def push_route(self, slot: int, output: Tensor, routed_input: Tensor, any_absent: bool,
-                   params: "KernelParams | None") -> int | None:
-        """`push_delta` into `slot`, then `route` over sources 0..slot (none dropped, so slot i is source i), in
-        one call: the row it wrote (`routed_rows[row]`, `alpha_row(row)`). None (nothing written) where either
-        step would refuse its inputs: the caller then runs both."""
+                   params: "KernelParams | None", num_slots: int, slot_index: Tensor | None = None,
+                   gate: "KernelParams | None" = None) -> int | None:
+        """`push_delta` into `slot`, then `route` over sources 0..slot (`num_slots` written with this one, dropped
+        ones included; `slot_index` maps them, None while none was), in one call: the row it wrote
+        (`routed_rows[row]`, `alpha_row(row)`, and `gate_run_rows[row]` with a `gate`). None (nothing written) where
+        either step would refuse its inputs: the caller then runs both."""
         row = self.routers_run
         # `_can_push` and `_can_route` written out: this runs once per layer per decoded token. A routed input that
         # is the previous router's row is known to be plain.
-        if (params is None or row >= self._capacity or slot >= self._capacity or params.width != self._width
-                or (params.bias_address is not None and params.bias_length <= slot)
+        if (params is None or row >= self._capacity or num_slots > self._capacity or params.width != self._width
+                or (params.bias_address is not None and params.bias_length < num_slots)
                 or output.dtype is not torch.float32 or not output.is_cpu or not output.is_contiguous()
                 or output.numel() != self._size
                 or (routed_input is not self._last_routed and not _is_plain(routed_input, self._size))):
             return None
+        if gate is not None and (gate.width != self._width or gate.bias_address is None):
+            gate = None  # a gate the kernel cannot read: the policy runs it in PyTorch ops
         self.routers_run = row + 1
         self._push_route(self._address, slot, output.data_ptr(), routed_input.data_ptr(), row, any_absent,
-                         params.scorer_address, params.bias_address)
+                         params.scorer_address, params.bias_address,
+                         None if slot_index is None or params.bias_address is None else slot_index.data_ptr(),
+                         None if gate is None else gate.scorer_address, None if gate is None else gate.bias_address)
         self._last_routed = self.routed_rows[row]
         self._row_sources[row] = slot + 1
         return row

@@ -101,10 +101,7 @@ class SourceStack:
         if not self._dropped:
             return None
         if self._slot_index is None:
-            # A normal tensor even under inference_mode: the cache outlives this forward, and a later training
-            # step indexes the bias with it (inference tensors cannot be saved for backward).
-            with torch.inference_mode(False):
-                self._slot_index = _index_tensor(tuple(self._slots), self.device)
+            self._slot_index = _slot_tensor(tuple(self._slots), self.device)
         return self._slot_index
 
     def expand(self, alpha: Tensor, num_slots: int) -> Tensor:
@@ -139,18 +136,23 @@ class SourceStack:
         else:
             self._push_listed(output - routed_input, present)
 
-    def push_delta_and_route(self, output: Tensor, routed_input: Tensor,
-                             params: native.KernelParams | None) -> int | None:
-        """`push_delta` of a delta every token has, then a router (its `params`) over all sources, in one fused call
-        (`routing.native`): the row of `native.routed` and `native.alpha` holding the router's output.
+    def push_delta_and_route(self, output: Tensor, routed_input: Tensor, params: native.KernelParams | None,
+                             gate: native.KernelParams | None = None) -> int | None:
+        """`push_delta` of a delta every token has, then a router (its `params`, and the skip `gate` of the block it
+        feeds where given) over all sources, in one fused call (`routing.native`): the row of `native` holding the
+        router's output, weights and gate probability.
 
-        None, with nothing pushed, where that call does not apply (no fused kernels, a dropped source, unusual
-        inputs): then push and route apart."""
-        if self.native is None or self._dropped:
+        None, with nothing pushed, where that call does not apply (no fused kernels, unusual inputs): then push and
+        route apart."""
+        if self.native is None:
             return None
-        row = self.native.push_route(self._count, output, routed_input, self.any_absent, params)
+        num_slots = self.num_slots + 1
+        # After a dropped source the kernel maps stored sources to their biases by slot, this one's included.
+        slot_index = _slot_tensor((*self._slots, num_slots - 1), self.device) if self._dropped else None
+        row = self.native.push_route(self._count, output, routed_input, self.any_absent, params, num_slots,
+                                     slot_index, gate)
         if row is not None:
-            self._count += 1  # _pushed(None) without a dropped slot to track
+            self._pushed(None)
         return row
 
     def route_fused(self, params: native.KernelParams | None,
@@ -228,6 +230,13 @@ def _index_tensor(slots: tuple[int, ...], device: torch.device) -> Tensor:
     return torch.tensor(slots, device=device)
 
 
+def _slot_tensor(slots: tuple[int, ...], device: torch.device) -> Tensor:
+    """Long [K]: `slots` as a tensor, cached. A normal tensor even under inference_mode: the cache outlives the
+    forward, and a later training step indexes the bias with it (inference tensors cannot be saved for backward)."""
+    with torch.inference_mode(False):
+        return _index_tensor(slots, device)
+
+
 @dataclass
 class StreamState:
     """Per-forward state of the depth stream, shared by the router hooks and a skip controller."""
@@ -245,7 +254,16 @@ class StreamState:
     """Run probabilities [B, T] the fused kernels computed with a router's output, by the key of the block's gate."""
     fused_rows: dict[str, int] = field(default_factory=dict)
     """Routers the fused decode path ran: key -> the row of `stack.native` holding their output; their weights are
-    read from it only on request (`RouterAdapter.last_routing_weights`)."""
+    read from it only on request (`alpha`)."""
+
+    def alpha(self, key: str) -> Tensor:
+        """Router `key`'s weights [K, B, T] over the stored sources in this forward."""
+        row = self.fused_rows.get(key)
+        return self.alphas[key] if row is None else self.stack.native.alpha_row(row)
+
+    def routed_keys(self) -> list[str]:
+        """The routers run so far in this forward."""
+        return [*self.fused_rows, *self.alphas]
     token_is_image: Tensor | None = None
     """Bool [B, T] of visual-placeholder positions, when a skip context knows the input ids and the forward holds
     some (None in decode steps and text-only batches: per-modality rules then cost no work per block)."""

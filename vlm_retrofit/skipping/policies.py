@@ -54,7 +54,7 @@ def check_skippable_blocks(what: str, blocks, layout: BlockLayout) -> None:
 
 def recent_source_weight(state: Any, key: str) -> Tensor:
     """alpha on the most recent *present* source of each token, [B, T], from router `key`'s last weights."""
-    alpha = state.alphas[key]  # [K, B, T]
+    alpha = state.alpha(key)  # [K, B, T]
     k = alpha.shape[0]
     present = state.stack.present_mask(k)
     if present is None:  # every token has every source: the most recent is the last
