@@ -95,7 +95,7 @@ def test_one_call_push_and_mix_equals_the_two_steps(earlier_source):
     assert torch.equal(together.flat_inv_rms(), apart.flat_inv_rms())
     assert torch.equal(together.native.routed_rows[row], expected[0])
     assert torch.equal(together.native.alpha_row(row), expected[1])
-    torch.testing.assert_close(together.native.gate_run_rows[row], gate(expected[0], 1e-6), atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(together.native.gate_run_row(row), gate(expected[0], 1e-6), atol=1e-6, rtol=1e-5)
     assert torch.equal(before[0], saved)
 
 
@@ -301,6 +301,8 @@ def test_fused_gate_run_probability_equals_the_gate_module():
         assert run.shape == (2, 3) and 0.0 < float(expected.min()) < float(expected.max()) < 1.0
         torch.testing.assert_close(run, expected, atol=1e-6, rtol=1e-5)
         assert stack.route_fused(router._inference_params()[1])[2] is None  # no gate: none computed
+        narrow = SkipGate(d // 2, init_bias=1.0)._inference_params()  # one the kernel cannot read: none either
+        assert stack.route_fused(router._inference_params()[1], narrow)[2] is None
 
 
 @needs_compiler

@@ -247,6 +247,8 @@ class NativeStream:
         self._last_routed: Tensor | None = None
         self._row_sources = [0] * capacity
         """How many sources each row's router mixed."""
+        self._row_gated = [False] * capacity
+        """Whether each row's call computed a skip gate's run probability."""
 
     def push_source(self, slot: int, source: Tensor) -> bool:
         """Source `slot` = `source` (the decoder input), as `push_delta` without the subtraction."""
@@ -263,8 +265,8 @@ class NativeStream:
         self._push(self._address, slot, output.data_ptr(), routed_input.data_ptr())
         return True
 
-    def route(self, k: int, num_slots: int, any_absent: bool, params: "KernelParams | None",
-              slot_index: Tensor | None, gate: "KernelParams | None" = None) -> tuple[Tensor, Tensor, Tensor | None] | None:
+    def route(self, k: int, num_slots: int, any_absent: bool, params: "KernelParams | None", slot_index: Tensor | None,
+              gate: "KernelParams | None" = None) -> tuple[Tensor, Tensor, Tensor | None] | None:
         """Mix the first k stored sources (of `num_slots` written, dropped ones included; `slot_index` maps them)
         with a router's `params`: (routed [B, T, d], alpha [k, B, T], the `gate`'s run probability [B, T] on the
         routed input or None without one). None where the kernels cannot take the parameters (`params` None) or
@@ -272,15 +274,18 @@ class NativeStream:
         row = self.routers_run
         if not self._can_route(row, num_slots, params):
             return None  # more routers than rows (a hook re-run) or unusual parameters: the PyTorch path
-        if gate is not None and (gate.width != self._width or gate.bias_address is None):
-            gate = None  # a gate the kernel cannot read: the policy runs it in PyTorch ops
+        gate_weight, gate_bias = self._gate_addresses(gate)
         self.routers_run = row + 1
         self._route(self._address, k, row, any_absent, params.scorer_address, params.bias_address,
-                    None if slot_index is None or params.bias_address is None else slot_index.data_ptr(),
-                    None if gate is None else gate.scorer_address, None if gate is None else gate.bias_address)
+                    _bias_index(params, slot_index), gate_weight, gate_bias)
         self._last_routed = self.routed_rows[row]
         self._row_sources[row] = k
-        return self._last_routed, self.alpha[row, :k], None if gate is None else self.gate_run_rows[row]
+        self._row_gated[row] = gate_weight is not None
+        return self._last_routed, self.alpha[row, :k], self.gate_run_row(row)
+
+    def gate_run_row(self, row: int) -> Tensor | None:
+        """The skip gate's run probability [B, T] the call of `row` computed, or None where it computed none."""
+        return self.gate_run_rows[row] if self._row_gated[row] else None
 
     def alpha_row(self, row: int) -> Tensor:
         """The routing weights [K, B, T] the router of `row` wrote (K: the sources it mixed)."""
@@ -291,8 +296,8 @@ class NativeStream:
                    gate: "KernelParams | None" = None) -> int | None:
         """`push_delta` into `slot`, then `route` over sources 0..slot (`num_slots` written with this one, dropped
         ones included; `slot_index` maps them, None while none was), in one call: the row it wrote
-        (`routed_rows[row]`, `alpha_row(row)`, and `gate_run_rows[row]` with a `gate`). None (nothing written) where
-        either step would refuse its inputs: the caller then runs both."""
+        (`routed_rows[row]`, `alpha_row(row)`, `gate_run_row(row)`). None (nothing written) where either step would
+        refuse its inputs: the caller then runs both."""
         row = self.routers_run
         # `_can_push` and `_can_route` written out: this runs once per layer per decoded token. A routed input that
         # is the previous router's row is known to be plain.
@@ -302,15 +307,14 @@ class NativeStream:
                 or output.numel() != self._size
                 or (routed_input is not self._last_routed and not _is_plain(routed_input, self._size))):
             return None
-        if gate is not None and (gate.width != self._width or gate.bias_address is None):
-            gate = None  # a gate the kernel cannot read: the policy runs it in PyTorch ops
+        gate_weight, gate_bias = self._gate_addresses(gate) if gate is not None else (None, None)
         self.routers_run = row + 1
         self._push_route(self._address, slot, output.data_ptr(), routed_input.data_ptr(), row, any_absent,
-                         params.scorer_address, params.bias_address,
-                         None if slot_index is None or params.bias_address is None else slot_index.data_ptr(),
-                         None if gate is None else gate.scorer_address, None if gate is None else gate.bias_address)
+                         params.scorer_address, params.bias_address, _bias_index(params, slot_index), gate_weight,
+                         gate_bias)
         self._last_routed = self.routed_rows[row]
         self._row_sources[row] = slot + 1
+        self._row_gated[row] = gate_weight is not None
         return row
 
     # The checks run in Python before any foreign call: a wrong size or layout would be read past in C.
@@ -320,6 +324,18 @@ class NativeStream:
     def _can_route(self, row: int, num_slots: int, params: "KernelParams | None") -> bool:
         return (params is not None and row < self._capacity and num_slots <= self._capacity
                 and params.width == self._width and (params.bias_address is None or params.bias_length >= num_slots))
+
+    def _gate_addresses(self, gate: "KernelParams | None") -> tuple[int | None, int | None]:
+        """A skip gate's weight and bias addresses for the kernel; NULLs for none, or for one it cannot read (the
+        policy then runs that gate in PyTorch ops)."""
+        if gate is None or gate.width != self._width or gate.bias_address is None:
+            return None, None
+        return gate.scorer_address, gate.bias_address
+
+
+def _bias_index(params: "KernelParams", slot_index: Tensor | None) -> int | None:
+    """The address of the slot of each stored source, where the router has source biases to map (else NULL)."""
+    return None if slot_index is None or params.bias_address is None else slot_index.data_ptr()
 
 
 class KernelParams(NamedTuple):
