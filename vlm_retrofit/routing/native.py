@@ -231,11 +231,11 @@ class NativeStream:
         """Row r: the r-th router's output, [B, T, d] (split once here: a view made per layer costs more)."""
         self.alpha = values.new_empty((capacity, capacity, *shape[:-1]))
         """Row r: the r-th router's weights, [K, B, T] for the first K sources it mixed."""
-        gate_run = values.new_empty((capacity, *shape[:-1]))
-        self.gate_run_rows = gate_run.unbind(0)
-        """Row r: a skip gate's run probability [B, T] on the r-th router's output, where `route` was given one."""
+        self._gate_run = values.new_empty((capacity, *shape[:-1]))
+        """Row r: a skip gate's run probability [B, T] on the r-th router's output, where the call computed one."""
+        self._gate_run_rows: tuple[Tensor, ...] | None = None  # split on first use: forwards without gates skip it
         self._struct = _Stream(values.data_ptr(), inv_rms.data_ptr(), present.data_ptr(), routed.data_ptr(),
-                               self.alpha.data_ptr(), gate_run.data_ptr(), capacity, tokens, width, eps)
+                               self.alpha.data_ptr(), self._gate_run.data_ptr(), capacity, tokens, width, eps)
         self._address = ctypes.addressof(self._struct)
         self._keep = (values, inv_rms, present)  # the struct points into these
         self._capacity, self._width = capacity, width
@@ -285,7 +285,11 @@ class NativeStream:
 
     def gate_run_row(self, row: int) -> Tensor | None:
         """The skip gate's run probability [B, T] the call of `row` computed, or None where it computed none."""
-        return self.gate_run_rows[row] if self._row_gated[row] else None
+        if not self._row_gated[row]:
+            return None
+        if self._gate_run_rows is None:
+            self._gate_run_rows = self._gate_run.unbind(0)
+        return self._gate_run_rows[row]
 
     def alpha_row(self, row: int) -> Tensor:
         """The routing weights [K, B, T] the router of `row` wrote (K: the sources it mixed)."""
