@@ -69,8 +69,9 @@ def test_fused_kernels_equal_the_pytorch_ops(batch, tokens, torch_routing, monke
 
 
 @needs_compiler
+@pytest.mark.parametrize("with_gate", [False, True])
 @pytest.mark.parametrize("earlier_source", ["present", "absent", "dropped"])
-def test_one_call_push_and_mix_equals_the_two_steps(earlier_source):
+def test_one_call_push_and_mix_equals_the_two_steps(earlier_source, with_gate):
     """A layer hook's push and router (and skip gate) in one call: bitwise the push then the router, rows kept apart;
     after a dropped source too (the biases then follow the slots)."""
     d, shape = 16, (2, 3, 16)
@@ -88,14 +89,18 @@ def test_one_call_push_and_mix_equals_the_two_steps(earlier_source):
         router(apart)
         apart.push_delta(output, routed)
         expected = router(apart)
-        row = together.push_delta_and_route(output, routed, router._inference_params()[1], gate._inference_params())
+        gate_params = gate._inference_params() if with_gate else None
+        row = together.push_delta_and_route(output, routed, router._inference_params()[1], gate_params)
     assert row == 1 and len(together) == len(apart) == 3 and together.any_absent == (earlier_source == "absent")
     assert together.num_slots == apart.num_slots
     assert torch.equal(together.flat_values(), apart.flat_values())
     assert torch.equal(together.flat_inv_rms(), apart.flat_inv_rms())
     assert torch.equal(together.native.routed_rows[row], expected[0])
     assert torch.equal(together.native.alpha_row(row), expected[1])
-    torch.testing.assert_close(together.native.gate_run_row(row), gate(expected[0], 1e-6), atol=1e-6, rtol=1e-5)
+    if with_gate:
+        torch.testing.assert_close(together.native.gate_run_row(row), gate(expected[0], 1e-6), atol=1e-6, rtol=1e-5)
+    else:
+        assert together.native.gate_run_row(row) is None
     assert torch.equal(before[0], saved)
 
 

@@ -233,9 +233,10 @@ class RouterAdapter(nn.Module):
                 native = stack.native
                 routed = state.routed_input = native.routed_rows[row]
                 state.fused_rows[key] = row  # its weights stay in the kernels' buffer until asked for
-                gate_run = native.gate_run_row(row)
-                if gate_run is not None:
-                    state.gate_run[key] = gate_run
+                if gate is not None:
+                    gate_run = native.gate_run_row(row)
+                    if gate_run is not None:
+                        state.gate_run[key] = gate_run
                 return routed
         self._record_delta(block, hidden)
         return self._mix(block, key)

@@ -118,13 +118,19 @@ void vr_route(const vr_stream* s, int64_t k, int64_t row, int any_absent, const 
     }
 }
 
-/* A block's delta into source `slot`, then the router over the first slot + 1 sources into row `row` (with its
-   skip gate where given): one call for the two steps of a decoder layer's hook. */
-void vr_push_route(const vr_stream* s, int64_t slot, const float* output, const float* routed_input, int64_t row,
-                   int any_absent, const float* scorer, const float* bias, const int64_t* slot_index,
-                   const float* gate, const float* gate_bias) {
+/* A block's delta into source `slot`, then the router over the first slot + 1 sources into row `row` (with the
+   slots of the stored sources and a skip gate where given): one call for the two steps of a decoder layer's hook. */
+void vr_push_route_full(const vr_stream* s, int64_t slot, const float* output, const float* routed_input,
+                        int64_t row, int any_absent, const float* scorer, const float* bias,
+                        const int64_t* slot_index, const float* gate, const float* gate_bias) {
     vr_push_delta(s, slot, output, routed_input);
     vr_route(s, slot + 1, row, any_absent, scorer, bias, slot_index, gate, gate_bias);
+}
+
+/* The same without slots or gate: a decoding step's call with skipping off, whose arguments are fewer to pass. */
+void vr_push_route(const vr_stream* s, int64_t slot, const float* output, const float* routed_input, int64_t row,
+                   int any_absent, const float* scorer, const float* bias) {
+    vr_push_route_full(s, slot, output, routed_input, row, any_absent, scorer, bias, 0, 0, 0);
 }
 """
 
@@ -189,8 +195,10 @@ def _load(target: Path) -> ctypes.CDLL:
     library.vr_push_delta.restype = None
     library.vr_route.argtypes = [ptr, i64, i64, ctypes.c_int, ptr, ptr, ptr, ptr, ptr]
     library.vr_route.restype = None
-    library.vr_push_route.argtypes = [ptr, i64, ptr, ptr, i64, ctypes.c_int, ptr, ptr, ptr, ptr, ptr]
+    library.vr_push_route.argtypes = [ptr, i64, ptr, ptr, i64, ctypes.c_int, ptr, ptr]
     library.vr_push_route.restype = None
+    library.vr_push_route_full.argtypes = [ptr, i64, ptr, ptr, i64, ctypes.c_int, ptr, ptr, ptr, ptr, ptr]
+    library.vr_push_route_full.restype = None
     return library
 
 
@@ -243,6 +251,7 @@ class NativeStream:
         self._push = _library.vr_push_delta
         self._route = _library.vr_route
         self._push_route = _library.vr_push_route
+        self._push_route_full = _library.vr_push_route_full
         self.routers_run = 0
         self._last_routed: Tensor | None = None
         self._row_sources = [0] * capacity
@@ -311,14 +320,19 @@ class NativeStream:
                 or output.numel() != self._size
                 or (routed_input is not self._last_routed and not _is_plain(routed_input, self._size))):
             return None
-        gate_weight, gate_bias = self._gate_addresses(gate) if gate is not None else (None, None)
         self.routers_run = row + 1
-        self._push_route(self._address, slot, output.data_ptr(), routed_input.data_ptr(), row, any_absent,
-                         params.scorer_address, params.bias_address, _bias_index(params, slot_index), gate_weight,
-                         gate_bias)
+        if slot_index is None and gate is None:
+            self._push_route(self._address, slot, output.data_ptr(), routed_input.data_ptr(), row, any_absent,
+                             params.scorer_address, params.bias_address)
+            self._row_gated[row] = False
+        else:
+            gate_weight, gate_bias = self._gate_addresses(gate)
+            self._push_route_full(self._address, slot, output.data_ptr(), routed_input.data_ptr(), row, any_absent,
+                                  params.scorer_address, params.bias_address, _bias_index(params, slot_index),
+                                  gate_weight, gate_bias)
+            self._row_gated[row] = gate_weight is not None
         self._last_routed = self.routed_rows[row]
         self._row_sources[row] = slot + 1
-        self._row_gated[row] = gate_weight is not None
         return row
 
     # The checks run in Python before any foreign call: a wrong size or layout would be read past in C.

@@ -146,9 +146,15 @@ class SourceStack:
         route apart."""
         if self.native is None:
             return None
-        num_slots = self.num_slots + 1
+        if not self._dropped:  # the decoding step's case, kept short: it runs once per layer per token
+            row = self.native.push_route(self._count, output, routed_input, self.any_absent, params, self._count + 1,
+                                         None, gate)
+            if row is not None:
+                self._count += 1  # _pushed(None) with no slots to track
+            return row
         # After a dropped source the kernel maps stored sources to their biases by slot, this one's included.
-        slot_index = _slot_tensor((*self._slots, num_slots - 1), self.device) if self._dropped else None
+        num_slots = self.num_slots + 1
+        slot_index = _slot_tensor((*self._slots, num_slots - 1), self.device)
         row = self.native.push_route(self._count, output, routed_input, self.any_absent, params, num_slots,
                                      slot_index, gate)
         if row is not None:
