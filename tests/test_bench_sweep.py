@@ -487,3 +487,20 @@ def test_recorded_settings_name_repository_paths_relative_to_it():
                               out="/somewhere/else", targets=[0.2], device="cpu")
     settings = recorded_settings(args, leave_out=("runs",))
     assert settings == {"backbone": "bench/.cache/real_vlm", "out": "/somewhere/else", "targets": [0.2], "device": "cpu"}
+
+
+def test_overhead_gate_threshold_skips_the_asked_share_of_the_text():
+    """`python -m bench.overhead --gate-share`: random-query gates thresholded to skip the given share."""
+    from bench.overhead import gate_threshold_for, random_gates
+
+    model, tokenizer = tiny_vlm("llama", num_hidden_layers=8)
+    adapter = attach_routers(model, RouterConfig(block_size=1, skip_gate=True))
+    random_gates(adapter)
+    inputs = dict(tiny_inputs(tokenizer, batch=1))
+    with torch.no_grad():
+        threshold = gate_threshold_for(model, adapter, inputs, tokenizer.pad_token_id, 0.2, new_tokens=8)
+        with adapter.skipping("gate", threshold=threshold, skip_image_positions=False) as report:
+            model.generate(**inputs, max_new_tokens=8, min_new_tokens=8, do_sample=False,
+                           pad_token_id=tokenizer.pad_token_id)
+    assert 0.0 < threshold < 1.0
+    assert abs(report.skipped_text_layer_fraction - 0.2) < 0.05, report.skipped_text_layer_fraction
