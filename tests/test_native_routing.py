@@ -301,13 +301,15 @@ def test_fused_gate_run_probability_equals_the_gate_module():
         gate.query.normal_()
         gate.norm_weight.uniform_(0.5, 2.0)
         stack = _stream(torch.randn(shape) * 20, [("delta", torch.randn(shape) * 5, torch.randn(shape), None)], 4)
-        routed, alpha, run = stack.route_fused(router._inference_params()[1], gate._inference_params())
-        expected = gate(routed, 1e-6)
+        row = stack.route_fused(router._inference_params()[1], gate._inference_params())
+        run = stack.native.gate_run_row(row)
+        expected = gate(stack.native.routed_rows[row], 1e-6)
         assert run.shape == (2, 3) and 0.0 < float(expected.min()) < float(expected.max()) < 1.0
         torch.testing.assert_close(run, expected, atol=1e-6, rtol=1e-5)
-        assert stack.route_fused(router._inference_params()[1])[2] is None  # no gate: none computed
+        no_gate = stack.route_fused(router._inference_params()[1])
+        assert stack.native.gate_run_row(no_gate) is None  # no gate: none computed
         narrow = SkipGate(d // 2, init_bias=1.0)._inference_params()  # one the kernel cannot read: none either
-        assert stack.route_fused(router._inference_params()[1], narrow)[2] is None
+        assert stack.native.gate_run_row(stack.route_fused(router._inference_params()[1], narrow)) is None
 
 
 @needs_compiler

@@ -230,14 +230,7 @@ class RouterAdapter(nn.Module):
             # Router `key` runs after `block`: routers are listed in block order, the final one last.
             row = stack.push_delta_and_route(hidden, state.routed_input, state.fused_params[block], gate)
             if row is not None:
-                native = stack.native
-                routed = state.routed_input = native.routed_rows[row]
-                state.fused_rows[key] = row  # its weights stay in the kernels' buffer until asked for
-                if gate is not None:
-                    gate_run = native.gate_run_row(row)
-                    if gate_run is not None:
-                        state.gate_run[key] = gate_run
-                return routed
+                return self._take_fused_row(key, row)
         self._record_delta(block, hidden)
         return self._mix(block, key)
 
@@ -245,18 +238,26 @@ class RouterAdapter(nn.Module):
         """Mix every source on the stream with router `key`, the one after `block`: the input of the next block (or
         the final norm)."""
         state = self._state
-        fused = None
         if state.fused_params is not None:
             gate = state.fused_gates[block] if state.fused_gates is not None else None
-            fused = state.stack.route_fused(state.fused_params[block], gate)
-        if fused is not None:
-            routed, alpha, gate_run = fused
-            if gate_run is not None:
-                state.gate_run[key] = gate_run
-        else:
-            routed, alpha = self.routers[key](state.stack)
+            row = state.stack.route_fused(state.fused_params[block], gate)
+            if row is not None:
+                return self._take_fused_row(key, row)
+        routed, alpha = self.routers[key](state.stack)
         state.routed_input = routed
         state.alphas[key] = alpha
+        return routed
+
+    def _take_fused_row(self, key: str, row: int) -> Tensor:
+        """Router `key`'s output, left by the fused kernels in `row`: the next block's input. Its weights stay in the
+        kernels' buffer until asked for (`StreamState.alpha`), its gate's run probability is noted where computed."""
+        state = self._state
+        native = state.stack.native
+        routed = state.routed_input = native.routed_rows[row]
+        state.fused_rows[key] = row
+        gate_run = native.gate_run_row(row)
+        if gate_run is not None:
+            state.gate_run[key] = gate_run
         return routed
 
     # -- skipping --------------------------------------------------------------------------------------

@@ -120,17 +120,11 @@ void vr_route(const vr_stream* s, int64_t k, int64_t row, int any_absent, const 
 
 /* A block's delta into source `slot`, then the router over the first slot + 1 sources into row `row` (with the
    slots of the stored sources and a skip gate where given): one call for the two steps of a decoder layer's hook. */
-void vr_push_route_full(const vr_stream* s, int64_t slot, const float* output, const float* routed_input,
-                        int64_t row, int any_absent, const float* scorer, const float* bias,
-                        const int64_t* slot_index, const float* gate, const float* gate_bias) {
+void vr_push_route(const vr_stream* s, int64_t slot, const float* output, const float* routed_input, int64_t row,
+                   int any_absent, const float* scorer, const float* bias, const int64_t* slot_index,
+                   const float* gate, const float* gate_bias) {
     vr_push_delta(s, slot, output, routed_input);
     vr_route(s, slot + 1, row, any_absent, scorer, bias, slot_index, gate, gate_bias);
-}
-
-/* The same without slots or gate: a decoding step's call with skipping off, whose arguments are fewer to pass. */
-void vr_push_route(const vr_stream* s, int64_t slot, const float* output, const float* routed_input, int64_t row,
-                   int any_absent, const float* scorer, const float* bias) {
-    vr_push_route_full(s, slot, output, routed_input, row, any_absent, scorer, bias, 0, 0, 0);
 }
 """
 
@@ -195,10 +189,8 @@ def _load(target: Path) -> ctypes.CDLL:
     library.vr_push_delta.restype = None
     library.vr_route.argtypes = [ptr, i64, i64, ctypes.c_int, ptr, ptr, ptr, ptr, ptr]
     library.vr_route.restype = None
-    library.vr_push_route.argtypes = [ptr, i64, ptr, ptr, i64, ctypes.c_int, ptr, ptr]
+    library.vr_push_route.argtypes = [ptr, i64, ptr, ptr, i64, ctypes.c_int, ptr, ptr, ptr, ptr, ptr]
     library.vr_push_route.restype = None
-    library.vr_push_route_full.argtypes = [ptr, i64, ptr, ptr, i64, ctypes.c_int, ptr, ptr, ptr, ptr, ptr]
-    library.vr_push_route_full.restype = None
     return library
 
 
@@ -251,7 +243,6 @@ class NativeStream:
         self._push = _library.vr_push_delta
         self._route = _library.vr_route
         self._push_route = _library.vr_push_route
-        self._push_route_full = _library.vr_push_route_full
         self.routers_run = 0
         self._last_routed: Tensor | None = None
         self._row_sources = [0] * capacity
@@ -275,22 +266,18 @@ class NativeStream:
         return True
 
     def route(self, k: int, num_slots: int, any_absent: bool, params: "KernelParams | None", slot_index: Tensor | None,
-              gate: "KernelParams | None" = None) -> tuple[Tensor, Tensor, Tensor | None] | None:
+              gate: "KernelParams | None" = None) -> int | None:
         """Mix the first k stored sources (of `num_slots` written, dropped ones included; `slot_index` maps them)
-        with a router's `params`: (routed [B, T, d], alpha [k, B, T], the `gate`'s run probability [B, T] on the
-        routed input or None without one). None where the kernels cannot take the parameters (`params` None) or
-        the rows are used up: the caller then uses PyTorch ops."""
+        with a router's `params`, and run its `gate` where given on the result: the row it wrote (`routed_rows[row]`,
+        `alpha_row(row)`, `gate_run_row(row)`). None where the kernels cannot take the parameters (`params` None)
+        or the rows are used up: the caller then uses PyTorch ops."""
         row = self.routers_run
         if not self._can_route(row, num_slots, params):
             return None  # more routers than rows (a hook re-run) or unusual parameters: the PyTorch path
         gate_weight, gate_bias = self._gate_addresses(gate)
-        self.routers_run = row + 1
         self._route(self._address, k, row, any_absent, params.scorer_address, params.bias_address,
                     _bias_index(params, slot_index), gate_weight, gate_bias)
-        self._last_routed = self.routed_rows[row]
-        self._row_sources[row] = k
-        self._row_gated[row] = gate_weight is not None
-        return self._last_routed, self.alpha[row, :k], self.gate_run_row(row)
+        return self._wrote(row, k, gate_weight is not None)
 
     def gate_run_row(self, row: int) -> Tensor | None:
         """The skip gate's run probability [B, T] the call of `row` computed, or None where it computed none."""
@@ -320,19 +307,18 @@ class NativeStream:
                 or output.numel() != self._size
                 or (routed_input is not self._last_routed and not _is_plain(routed_input, self._size))):
             return None
+        gate_weight, gate_bias = self._gate_addresses(gate)
+        self._push_route(self._address, slot, output.data_ptr(), routed_input.data_ptr(), row, any_absent,
+                         params.scorer_address, params.bias_address, _bias_index(params, slot_index), gate_weight,
+                         gate_bias)
+        return self._wrote(row, slot + 1, gate_weight is not None)
+
+    def _wrote(self, row: int, sources: int, gated: bool) -> int:
+        """Record what the call into `row` wrote: a router over `sources` sources, with a gate or not."""
         self.routers_run = row + 1
-        if slot_index is None and gate is None:
-            self._push_route(self._address, slot, output.data_ptr(), routed_input.data_ptr(), row, any_absent,
-                             params.scorer_address, params.bias_address)
-            self._row_gated[row] = False
-        else:
-            gate_weight, gate_bias = self._gate_addresses(gate)
-            self._push_route_full(self._address, slot, output.data_ptr(), routed_input.data_ptr(), row, any_absent,
-                                  params.scorer_address, params.bias_address, _bias_index(params, slot_index),
-                                  gate_weight, gate_bias)
-            self._row_gated[row] = gate_weight is not None
         self._last_routed = self.routed_rows[row]
-        self._row_sources[row] = slot + 1
+        self._row_sources[row] = sources
+        self._row_gated[row] = gated
         return row
 
     # The checks run in Python before any foreign call: a wrong size or layout would be read past in C.

@@ -91,24 +91,14 @@ class DepthRouter(nn.Module):
 
     def _inference_params(self) -> tuple[Tensor, KernelParams | None]:
         """The scorer q * g, and the kernels' view of it and of the bias (None where they cannot read them)."""
-        # Without autograd the parameters only change in place (optimizer steps, load_state_dict) or by
-        # moving, which version counters and data pointers show: fold the gain into the query once, not per call.
-        # `_parameters` directly: nn.Module.__getattr__ costs as much as a small kernel at decode time.
         params = self._parameters
-        query, gain, bias = params["query"], params["key_norm_weight"], params["bias"]
-        key = (query._version, gain._version, query.data_ptr(), gain.data_ptr(), bias is not None and bias.data_ptr())
-        cached = self.__dict__.get("_scorer_cache")
-        if cached is None or cached[0] != key:
-            scorer = query * gain
-            cached = (key, scorer, KernelParams.of(scorer, bias))
-            self.__dict__["_scorer_cache"] = cached
-        return cached[1], cached[2]
+        return folded_for_inference(self, params["query"], params["key_norm_weight"], params["bias"])
 
     def _mix_buffered(self, stack: "SourceStack", k: int) -> tuple[Tensor, Tensor]:
         scorer, params = self._inference_params()
-        fused = stack.route_fused(params)  # one C call (routing.native) where the kernels take the stream
-        if fused is not None:
-            return fused[0], fused[1]
+        row = stack.route_fused(params)  # one C call (routing.native) where the kernels take the stream
+        if row is not None:
+            return stack.native.routed_rows[row], stack.native.alpha_row(row)
         # Decoding runs this once per block per token on a few tokens, so Python work costs as much as the
         # arithmetic: a handful of kernels whatever K is, each reading the buffer at most once, few helper calls.
         # q . (v * r) == (q . v) * r scores without a normalised copy, and the K multiplier rides on the mixing
@@ -149,12 +139,23 @@ class SkipGate(nn.Module):
 
     def _inference_params(self) -> KernelParams | None:
         """The gate as the fused kernels read it (the query times the norm gain, and the bias), for a routed input
-        they compute; None where they cannot. Cached like `DepthRouter._inference_params`."""
+        they compute; None where they cannot."""
         params = self._parameters
-        query, gain, bias = params["query"], params["norm_weight"], params["bias"]
-        key = (query._version, gain._version, query.data_ptr(), gain.data_ptr(), bias.data_ptr())
-        cached = self.__dict__.get("_kernel_cache")
-        if cached is None or cached[0] != key:
-            cached = (key, KernelParams.of(query * gain, bias))
-            self.__dict__["_kernel_cache"] = cached
-        return cached[1]
+        return folded_for_inference(self, params["query"], params["norm_weight"], params["bias"])[1]
+
+
+def folded_for_inference(module: nn.Module, query: Tensor, gain: Tensor,
+                         bias: Tensor | None) -> tuple[Tensor, KernelParams | None]:
+    """`query * gain`, and the fused kernels' view of it and of `bias`, cached on `module`.
+
+    Without autograd the parameters only change in place (optimizer steps, load_state_dict) or by moving, which
+    version counters and data pointers show: the gain is folded into the query once, not per call. Callers pass
+    `module._parameters` entries: nn.Module.__getattr__ costs as much as a small kernel at decode time.
+    """
+    key = (query._version, gain._version, query.data_ptr(), gain.data_ptr(), bias is not None and bias.data_ptr())
+    cached = module.__dict__.get("_folded_cache")
+    if cached is None or cached[0] != key:
+        scorer = query * gain
+        cached = (key, scorer, KernelParams.of(scorer, bias))
+        module.__dict__["_folded_cache"] = cached
+    return cached[1], cached[2]

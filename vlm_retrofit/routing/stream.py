@@ -20,8 +20,8 @@ class SourceStack:
     with less work. Stored sources keep their slot number (`slot_index`) so source biases stay aligned.
 
     Two layouts, the same values:
-    * `buffered` (decoding and short prompts: no autograd, few tokens): each block's delta is written once, by the subtraction
-      itself, into a preallocated fp32 [capacity, tokens, d] buffer whose first K slots are contiguous, with its
+    * `buffered` (decoding and short prompts: no autograd, few tokens): each block's delta is written once, by the
+      subtraction itself, into a preallocated fp32 [capacity, tokens, d] buffer whose first K slots are contiguous, with its
       inverse RMS beside it. A router scores all sources with one matrix-vector product and mixes them with one
       more (a multiply-sum for several tokens). Re-stacking a growing list (or a normalised copy of it) at every
       block costs more memory traffic than the routing itself. On fp32 CPU streams a layer's push and router are
@@ -146,26 +146,19 @@ class SourceStack:
         route apart."""
         if self.native is None:
             return None
-        if not self._dropped:  # the decoding step's case, kept short: it runs once per layer per token
-            row = self.native.push_route(self._count, output, routed_input, self.any_absent, params, self._count + 1,
-                                         None, gate)
-            if row is not None:
-                self._count += 1  # _pushed(None) with no slots to track
-            return row
-        # After a dropped source the kernel maps stored sources to their biases by slot, this one's included.
         num_slots = self.num_slots + 1
-        slot_index = _slot_tensor((*self._slots, num_slots - 1), self.device)
+        # After a dropped source the kernel maps stored sources to their biases by slot, this one's included.
+        slot_index = _slot_tensor((*self._slots, num_slots - 1), self.device) if self._dropped else None
         row = self.native.push_route(self._count, output, routed_input, self.any_absent, params, num_slots,
                                      slot_index, gate)
         if row is not None:
             self._pushed(None)
         return row
 
-    def route_fused(self, params: native.KernelParams | None,
-                    gate: native.KernelParams | None = None) -> tuple[Tensor, Tensor, Tensor | None] | None:
-        """A router (its `params`) over every stored source in one fused call: (routed [B, T, d], alpha [K, B, T],
-        the skip `gate`'s run probability [B, T] on the routed input, or None); None where the kernels do not apply
-        (then the router's PyTorch ops)."""
+    def route_fused(self, params: native.KernelParams | None, gate: native.KernelParams | None = None) -> int | None:
+        """A router (its `params`, and the skip `gate` of the block it feeds where given) over every stored source in
+        one fused call: the row of `native` holding its output, as `push_delta_and_route`. None where the kernels
+        do not apply (then the router's PyTorch ops)."""
         if self.native is None:
             return None
         return self.native.route(self._count, self.num_slots, self.any_absent, params, self.slot_index(), gate)
@@ -253,7 +246,7 @@ class StreamState:
     """Routing weights [K, B, T] of each router run so far, by key; those of `fused_rows` aside."""
     fused_params: list[native.KernelParams | None] | None = None
     """Every router's parameters as the fused kernels read them, in block order (the final router last), when this
-    forward routes through them without a skip controller; else None."""
+    forward's stream goes through them; else None."""
     fused_gates: list[native.KernelParams | None] | None = None
     """Under a skip controller, the skip gate (if any) of the block each router feeds, like `fused_params`."""
     gate_run: dict[str, Tensor] = field(default_factory=dict)
@@ -261,6 +254,13 @@ class StreamState:
     fused_rows: dict[str, int] = field(default_factory=dict)
     """Routers the fused decode path ran: key -> the row of `stack.native` holding their output; their weights are
     read from it only on request (`alpha`)."""
+    token_is_image: Tensor | None = None
+    """Bool [B, T] of visual-placeholder positions, when a skip context knows the input ids and the forward holds
+    some (None in decode steps and text-only batches: per-modality rules then cost no work per block)."""
+    token_is_real: Tensor | None = None
+    """Bool [B, T]: False at padding positions, when a skip context knows the attention mask."""
+    context_length: int = 0
+    """Tokens the KV cache held when this forward began (0 in prefill or without a cache)."""
 
     def alpha(self, key: str) -> Tensor:
         """Router `key`'s weights [K, B, T] over the stored sources in this forward."""
@@ -270,10 +270,3 @@ class StreamState:
     def routed_keys(self) -> list[str]:
         """The routers run so far in this forward."""
         return [*self.fused_rows, *self.alphas]
-    token_is_image: Tensor | None = None
-    """Bool [B, T] of visual-placeholder positions, when a skip context knows the input ids and the forward holds
-    some (None in decode steps and text-only batches: per-modality rules then cost no work per block)."""
-    token_is_real: Tensor | None = None
-    """Bool [B, T]: False at padding positions, when a skip context knows the attention mask."""
-    context_length: int = 0
-    """Tokens the KV cache held when this forward began (0 in prefill or without a cache)."""

@@ -236,7 +236,7 @@ class SkipController:
         """
         real, text = state.token_is_real, self._text_positions
         if real is None and text is None:  # every position is real text (a decoding step): one count
-            skipped = int(skip.sum()) if skip.numel() > 1 else int(skip.item())
+            skipped = int(skip.sum())
             if self._real_tokens is None:
                 self._real_tokens = self._text_tokens = skip.numel()
             return skipped, skipped
