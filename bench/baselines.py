@@ -9,6 +9,8 @@ from typing import Any, Iterable, Iterator
 import torch
 from torch import Tensor
 
+from vlm_retrofit.backbones import image_positions
+
 
 @dataclass
 class OracleCount:
@@ -74,11 +76,7 @@ class UpdateOracle:
         return hidden, out, update
 
     def _capture_image_positions(self, module, args, kwargs) -> None:
-        input_ids = kwargs.get("input_ids", args[0] if args else None)
-        self._image = None
-        if self.image_token_ids.numel() and isinstance(input_ids, Tensor):
-            image = torch.isin(input_ids, self.image_token_ids.to(input_ids.device))
-            self._image = image if bool(image.any()) else None
+        self._image = image_positions(kwargs.get("input_ids", args[0] if args else None), self.image_token_ids)
 
     def _masks(self, shape: torch.Size, real: Tensor | None) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
         """(real tokens, real text tokens, image positions) of a layer call's [B, T] positions; None where every

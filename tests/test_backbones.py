@@ -7,7 +7,8 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from vlm_retrofit import BackboneSpec, RouterConfig, attach_routers, register_backbone
-from vlm_retrofit.backbones import base_fingerprint, resolve, supported_model_types, unchanged_fingerprint
+from vlm_retrofit.backbones import (base_fingerprint, image_positions, resolve, supported_model_types,
+                                   unchanged_fingerprint)
 from vlm_retrofit.backbones.registry import evenly_spaced, unregister_backbone
 from vlm_retrofit.routing import AdapterMismatchError, check_fingerprint, check_identity
 from vlm_retrofit.testing import FAMILIES, tiny_inputs, tiny_vlm
@@ -25,6 +26,18 @@ def test_every_family_resolves_to_parts_the_kv_path_needs(family):
     assert spec.get_embed_tokens(model).weight.shape[0] == spec.get_lm_head(model).weight.shape[0]
     image_ids = spec.image_token_ids(model.config)
     assert bool(image_ids) == (family not in {"llama", "qwen2"})
+
+
+def test_image_positions_mark_placeholders_and_are_none_without_any():
+    model, processor = tiny_vlm("llava")
+    ids = torch.tensor(sorted(resolve(model).image_token_ids(model.config)), dtype=torch.long)
+    inputs = tiny_inputs(processor, batch=2)
+    mask = image_positions(inputs["input_ids"], ids)
+    assert mask.shape == inputs["input_ids"].shape and bool(mask.any()) and not bool(mask.all())
+    assert torch.equal(mask, inputs["input_ids"] == int(ids[0]))
+    assert image_positions(inputs["input_ids"][:, :1], ids) is None  # the first token (no placeholder there)
+    assert image_positions(inputs["input_ids"], torch.empty(0, dtype=torch.long)) is None  # a text-only family
+    assert image_positions(None, ids) is None  # called with embeddings
 
 
 def test_qwen3_vl_deepstack_layers_are_never_skipped():

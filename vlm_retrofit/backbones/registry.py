@@ -47,6 +47,15 @@ def _default_image_token_ids(config: Any) -> frozenset[int]:
     return frozenset(ids)
 
 
+def image_positions(input_ids: Any, image_ids: Tensor) -> Tensor | None:
+    """Bool [B, T] of the visual-placeholder positions in `input_ids` (`image_ids`: Long [n], from a spec's
+    `image_token_ids`); None when it holds none or is not a tensor, so text-only calls and decode steps carry no mask."""
+    if not isinstance(input_ids, Tensor) or not image_ids.numel():
+        return None
+    is_image = torch.isin(input_ids, image_ids.to(input_ids.device))
+    return is_image if bool(is_image.any()) else None
+
+
 class AttentionParts(NamedTuple):
     """The pieces of one decoder layer that the kv-only cache path runs for a skipped token."""
 

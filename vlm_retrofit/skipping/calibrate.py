@@ -10,7 +10,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import torch
 from torch import Tensor
 
-from ..backbones.registry import layer_hidden_states, unwrap_model
+from ..backbones.registry import image_positions, layer_hidden_states, unwrap_model
 from ..batch import model_inputs
 from ..routing.adapter import RouterAdapter
 from .policies import POLICIES, SkipPolicy, StaticPolicy, check_skippable_blocks, recent_source_weight
@@ -203,10 +203,9 @@ def scored_positions(adapter: RouterAdapter, batch: Mapping[str, Any], shape: to
     device = ids.device if ids is not None else None
     real = batch.get("attention_mask")
     real = real.bool() if real is not None and real.shape == shape else torch.ones(shape, dtype=torch.bool, device=device)
-    image_ids = sorted(adapter.spec.image_token_ids(unwrap_model(adapter.model).config))
-    if ids is not None and ids.shape == shape and image_ids:
-        real = real & ~torch.isin(ids, torch.tensor(image_ids, device=ids.device))
-    return real
+    image = image_positions(ids, torch.tensor(sorted(adapter.spec.image_token_ids(unwrap_model(adapter.model).config)),
+                                              dtype=torch.long))
+    return real if image is None or image.shape != shape else real & ~image
 
 
 def _removal_kl(adapter: RouterAdapter, batches: list[dict[str, Any]], reference: list[Tensor], blocks: list[int]) -> float:

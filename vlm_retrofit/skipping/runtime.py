@@ -9,7 +9,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor, nn
 
-from ..backbones import layer_hidden_states, unwrap_model
+from ..backbones import image_positions, layer_hidden_states, unwrap_model
 from ..routing.adapter import CACHELESS_LAYERS, RouterAdapter
 from .accounting import LayerCost, SkipReport
 from .policies import SkipPolicy
@@ -157,12 +157,8 @@ class SkipController:
 
     def _capture_input_ids(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         # Which positions are visual placeholders: per-modality thresholds need it at every layer.
-        input_ids = kwargs.get("input_ids", args[0] if args else None)
-        self._token_is_image = None
-        if isinstance(input_ids, Tensor) and self._image_ids.numel():
-            is_image = torch.isin(input_ids, self._image_ids.to(input_ids.device))
-            # None when there is none (every decode step): per-modality rules then cost no work per block.
-            self._token_is_image = is_image if bool(is_image.any()) else None
+        # None when there is none (every decode step): per-modality rules then cost no work per block.
+        self._token_is_image = image_positions(kwargs.get("input_ids", args[0] if args else None), self._image_ids)
         mask = kwargs.get("attention_mask")
         self._token_is_real = mask.bool() if isinstance(mask, Tensor) and mask.dim() == 2 else None
         self._continues_cache = any(kwargs.get(name) is not None for name in ("past_key_values", "cache"))
