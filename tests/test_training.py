@@ -292,6 +292,35 @@ def test_lora_healing_teacher_is_the_plain_base():
     assert all(k.startswith("adapter.") or "lora_" in k for k in ckpt["state_dict"])
 
 
+def test_teacher_switches_adapters_off_as_peft_does_and_gives_each_its_state_back():
+    module = RetrofitModule(backbone="tiny:llama",
+                            lora={"r": 2, "lora_alpha": 4, "target_modules": ["q_proj", "v_proj"],
+                                  "modules_to_save": ["lm_head"], "init_lora_weights": False})
+    lm_head_copy = next(m for m in module._adapter_switches if hasattr(m, "modules_to_save"))
+    with torch.no_grad():  # the trainable copy of the head differs from the frozen one, as after training
+        lm_head_copy.modules_to_save["default"].weight.add_(0.05)
+    base, _ = tiny_vlm("llama")
+    inputs, _ = module.model_inputs(_batch("llama"))
+    with torch.no_grad():
+        with module.adapter.disabled(), module.model.disable_adapter():  # the teacher's routers are off too
+            peft_off = module.model(**inputs).logits
+        with module.teacher():
+            teacher = module.model(**inputs).logits
+            assert not module.model.has_active_enabled_adapter
+        student = module.model(**inputs).logits
+        torch.testing.assert_close(teacher, peft_off, atol=0, rtol=0)
+        torch.testing.assert_close(teacher, base(**inputs).logits, atol=1e-5, rtol=0)
+        assert (student - teacher).abs().max() > 1e-4  # LoRA and the head's copy are back on
+    assert module.model.has_active_enabled_adapter
+    first, *others = module._adapter_switches
+    first.enable_adapters(False)  # switched off by its user: the teacher leaves it off
+    with module.teacher():
+        pass
+    assert first.disable_adapters and not any(layer.disable_adapters for layer in others)
+    assert all(p.requires_grad for layer in others for n, p in layer.named_parameters()
+               if "lora_" in n or "modules_to_save" in n)
+
+
 class _NaNAt(RetrofitModule):
     """Loss is NaN at the listed optimizer steps (all steps when `nan_steps` is None)."""
 
