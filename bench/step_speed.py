@@ -3,15 +3,18 @@
     python -m bench.step_speed                 # the shipped recipe (configs/smollm2-tuxpaint-long.yaml), 12 batches
     python -m bench.step_speed --batches 20 --config configs/smollm2-tuxpaint.yaml
     python -m bench.step_speed --against kl-chunks-8m     # the chunked KL with its former 8 M-element chunks
+    python -m bench.step_speed --against peft-disable-adapter   # the teacher's LoRA off by PEFT's own context
     python -m bench.step_speed --against whole-student \
         --lora-target '.*language_model.*layers\.(19|2[0-9])\..*(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)'
 
 The same training batches run through `RetrofitModule.compute_loss` + backward under bf16 autocast, alternating
 batch by batch between the two paths (the machine's drift hits both), and the loss of each pair is compared: the
 paths compute the same thing. `--against` picks the earlier path: `reference` (autograd through log_softmax +
-kl_div, PEFT's fp32 casts of LoRA inputs), `kl-chunks-8m` (the chunked KL in chunks of 8 M positions x vocabulary)
-or `whole-student` (no layer taken from the teacher's forward: `share_teacher_prefix` off; only differs with a LoRA
-above the removal, `--lora-target`). Prints the seconds per step of each and their ratio. Needs the bench build.
+kl_div, PEFT's fp32 casts of LoRA inputs), `kl-chunks-8m` (the chunked KL in chunks of 8 M positions x vocabulary),
+`whole-student` (no layer taken from the teacher's forward: `share_teacher_prefix` off; only differs with a LoRA
+above the removal, `--lora-target`) or `peft-disable-adapter` (PEFT's `disable_adapter()` for the teacher, which
+walks every module: host time, whatever the width). Prints the seconds per step of each and their ratio. Needs
+the bench build.
 """
 
 from __future__ import annotations
@@ -68,7 +71,19 @@ def whole_student(module: RetrofitModule) -> Iterator[None]:
         module.hparams.share_teacher_prefix = shared
 
 
-EARLIER_PATHS = {"reference": reference_path, "kl-chunks-8m": kl_chunks_8m, "whole-student": whole_student}
+@contextlib.contextmanager
+def peft_disable_adapter(module: RetrofitModule) -> Iterator[None]:
+    """The teacher's LoRA turned off by PEFT's own `disable_adapter()`, which walks every module of the backbone."""
+    switch = module_code.adapters_disabled
+    module_code.adapters_disabled = lambda model, switches: model.disable_adapter()
+    try:
+        yield
+    finally:
+        module_code.adapters_disabled = switch
+
+
+EARLIER_PATHS = {"reference": reference_path, "kl-chunks-8m": kl_chunks_8m, "whole-student": whole_student,
+                 "peft-disable-adapter": peft_disable_adapter}
 
 
 def timed_step(module: RetrofitModule, batch, seed: int) -> tuple[float, float]:
