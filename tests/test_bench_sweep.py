@@ -265,9 +265,15 @@ def test_adapters_trained_otherwise_are_found_before_any_work(tmp_path):
     assert len(stale) == 1 and "lora_mlp_joint_plain" in stale[0] and "[1, 3, 2]" in stale[0]
     # Gates pulled to a compute target that counted every position (before it counted real text only) are stale.
     keys = {v.name: training_key(v, expected[v.name]) for v in variants}
-    assert keys["gate"] == {"compute_counted_on": "real text positions"} and keys["routed_static"] == expected["routed_static"]
+    assert keys["gate"] == {"compute_counted_on": "real text positions", "skip_image_positions": False}
+    assert keys["routed_static"] == expected["routed_static"]
     stale = stale_runs(variants, tmp_path, keys)
     assert len(stale) == 1 and "gate" in stale[0] and "compute_counted_on" in stale[0]
+    # Gates trained with image positions skipping, measured with them running, are stale too.
+    info = {"steps": 3, "compute_counted_on": "real text positions", "skip_image_positions": True}
+    (tmp_path / "gate" / "train_info.json").write_text(json.dumps(info))
+    stale = stale_runs(variants, tmp_path, keys)
+    assert len(stale) == 1 and "skip_image_positions" in stale[0]
 
 
 def test_routing_time_accumulates_over_forwards_and_leaves_the_adapter_as_it_was():
