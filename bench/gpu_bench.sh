@@ -7,6 +7,8 @@
 # Writes bench/gpu/RESULTS.md, results.json and pareto.png (GPU name and date in the header); the adapters go to
 # bench/.cache/runs-gpu (delete it to retrain). Extra arguments go to `python -m bench.run`.
 # Usage: [OVERHEAD=1] bench/gpu_bench.sh [--train-minutes 15 --train-steps 2000] [--targets 0.1 0.2 0.3] [--variants ...]
+#        [--batch-size 8 --lr-scale 1.41]   (a host-bound step of 8 costs about what one of 4 does; on CPU, at the same
+#        samples, batch 8 at the square-root-scaled rate healed about as much as batch 4: bench/RESULTS.md)
 # Needs `make bench`'s packages (.venv/.bench-installed) and an NVIDIA GPU; nothing is downloaded. On a machine with
 # no network, carry the assets instead: `python -m bench.bundle pack --wheels <dir>` where they were built (see
 # bench/README.md), then copy bench/.bundle/ here: it is unpacked first, its wheels installed into bench/.cache/site.

@@ -213,9 +213,21 @@ def _peak_rss_mb() -> float:
 
 
 # -- training -----------------------------------------------------------------------------------------------
+def training_arguments(variant: Variant, removal: dict[str, Any], lr_scale: float = 1.0) -> dict[str, Any]:
+    """`RetrofitModule` arguments of `variant` (besides backbone, router and dtype): its recipe, the cosine decay
+    over its steps where it has a step count, its removal schedule `removal`, the learning rate times `lr_scale`."""
+    arguments = {"lr": 5e-3, "warmup_steps": 20, "scheduler": "constant", **variant.module}
+    if variant.steps:
+        arguments.update(scheduler="cosine", total_steps=variant.steps)
+    arguments.update(removal)
+    arguments["lr"] *= lr_scale
+    return arguments
+
+
 def train_variant(variant: Variant, backbone: str, shards: dict[str, Any], minutes: float, batch_size: int, *,
                   removal: dict[str, Any], runs: Path = RUNS, device: str = "cpu",
-                  dtype: str | None = None, precision: str = "32-true", num_workers: int = 1) -> dict:
+                  dtype: str | None = None, precision: str = "32-true", num_workers: int = 1,
+                  lr_scale: float = 1.0) -> dict:
     """Distil one router variant within a wall-clock budget; the adapter lands in RUNS/<name>/adapter.
 
     Variants evaluated with the static policy train under the removal schedule `removal` (`removal_settings`).
@@ -229,10 +241,7 @@ def train_variant(variant: Variant, backbone: str, shards: dict[str, Any], minut
     info_path = out / "train_info.json"
     if info_path.is_file():
         return json.loads(info_path.read_text())
-    module_args = {"lr": 5e-3, "warmup_steps": 20, "scheduler": "constant", **variant.module}
-    if variant.steps:
-        module_args.update(scheduler="cosine", total_steps=variant.steps)
-    module_args.update(removal)
+    module_args = training_arguments(variant, removal, lr_scale)
     module = RetrofitModule(backbone=backbone, model_class="bench.efficientnet_tower.LlavaForConditionalGeneration",
                             router=variant.router, torch_dtype=dtype, **module_args)
     data = WebDatasetDataModule(processor=backbone, train_shards=shards["train"],
@@ -353,6 +362,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "1.14-1.22x the steps per minute of float32 on 2 CPU cores, healing as much per sample), "
                              "else --dtype")
     parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--lr-scale", type=float, default=1.0,
+                        help="multiplies every variant's learning rate, e.g. 1.41 with --batch-size 8: at 960 samples the "
+                             "square-root scaling healed about as much per sample as batch 4 (x1.137 against x1.110-1.132; "
+                             "batch 16 x1.183, and twice its rate diverged): RESULTS.md, \"Healing steps\"")
     parser.add_argument("--num-workers", type=int, default=1,
                         help="data loader workers per training run (one keeps up with a 2-core CPU's steps; a GPU's "
                              "steps need more)")
@@ -439,7 +452,7 @@ def main(argv: list[str] | None = None) -> int:
             variant, args.backbone, shards, args.train_minutes, args.batch_size, removal=removals[variant.name],
             runs=runs, device=args.device,
             dtype=None if train_dtype == "float32" else train_dtype, precision=args.train_precision,
-            num_workers=args.num_workers)
+            num_workers=args.num_workers, lr_scale=args.lr_scale)
         log(f"trained {variant.name}: {training[variant.name]}")
 
     bench = Bench(model, processor, data, args.new_tokens)

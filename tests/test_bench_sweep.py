@@ -243,6 +243,20 @@ def test_train_steps_override_only_the_fixed_step_variants():
     assert [VARIANTS[n].steps for n in names] == registered  # the registry is not modified
 
 
+def test_training_arguments_scale_the_learning_rate_and_keep_the_recipe():
+    from bench.run import training_arguments
+
+    removal = {"removal_order": [2, 3, 1], "max_removed_blocks": 2, "min_removed_blocks": 2}
+    plain = training_arguments(VARIANTS["lora_mlp_span"], removal)
+    scaled = training_arguments(VARIANTS["lora_mlp_span"], removal, lr_scale=1.5)
+    assert plain["lr"] == VARIANTS["lora_mlp_span"].module["lr"] and scaled["lr"] == 1.5 * plain["lr"]
+    assert {k: v for k, v in scaled.items() if k != "lr"} == {k: v for k, v in plain.items() if k != "lr"}
+    assert plain["scheduler"] == "cosine" and plain["total_steps"] == VARIANTS["lora_mlp_span"].steps
+    assert plain["removal_order"] == [2, 3, 1] and plain["lora_b_lr_scale"] == 4.0
+    gate = training_arguments(VARIANTS["gate"], {})
+    assert gate["scheduler"] == "constant" and gate["lr"] == 5e-3 and gate["skip_image_positions"] is False
+
+
 def test_adapters_trained_otherwise_are_found_before_any_work(tmp_path):
     from bench.run import removal_settings, stale_runs, training_key
 
