@@ -79,12 +79,12 @@ def decode_speed(model, inputs: dict[str, Any], method: Method, pad_token_id: in
     best = 0.0
     for _ in range(repeats):
         with method():
-            seconds = _timed_generate(model, inputs, pad_token_id, new_tokens)
+            seconds = timed_generate(model, inputs, pad_token_id, new_tokens)
         best = max(best, inputs["input_ids"].shape[0] * new_tokens / seconds)
     return best
 
 
-def _timed_generate(model, inputs: dict[str, Any], pad_token_id: int, new_tokens: int) -> float:
+def timed_generate(model, inputs: dict[str, Any], pad_token_id: int, new_tokens: int) -> float:
     """Wall-clock seconds of one greedy generate call of exactly `new_tokens` tokens."""
     _sync()
     start = time.perf_counter()
@@ -105,7 +105,7 @@ def paired_speed_ratios(model, inputs: dict[str, Any], method: Method, base_meth
         seconds = []
         for run in order:
             with run():
-                seconds.append(_timed_generate(model, inputs, pad_token_id, new_tokens))
+                seconds.append(timed_generate(model, inputs, pad_token_id, new_tokens))
         base_seconds, method_seconds = seconds if round_ % 2 == 0 else seconds[::-1]
         ratios.append(base_seconds / method_seconds)
     return ratios
@@ -163,7 +163,7 @@ def routing_share(model, adapter, inputs: dict[str, Any], pad_token_id: int, *, 
     best_total, best_share = math.inf, 0.0
     for _ in range(rounds):
         with timed_routing(adapter) as spent:
-            total = _timed_generate(model, inputs, pad_token_id, new_tokens)
+            total = timed_generate(model, inputs, pad_token_id, new_tokens)
         if total < best_total:
             best_total, best_share = total, spent[0] / total
     return best_share

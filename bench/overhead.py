@@ -35,12 +35,13 @@ def measure(model, adapter, inputs: dict[str, Any], pad: int, method, rounds: in
 def gate_threshold_for(model, adapter, inputs: dict[str, Any], pad: int, share: float, new_tokens: int) -> float:
     """One gate threshold for every block at which a generate call on `inputs` skips `share` of the text's layer
     executions (bisection; the decisions are deterministic)."""
+    from .evaluate import timed_generate
+
     low, high = 0.0, 1.0
     for _ in range(12):
         middle = (low + high) / 2
         with adapter.skipping("gate", threshold=middle, skip_image_positions=False) as report:
-            model.generate(**inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                           pad_token_id=pad)
+            timed_generate(model, inputs, pad, new_tokens)
         low, high = (middle, high) if report.skipped_text_layer_fraction < share else (low, middle)
     return (low + high) / 2
 
@@ -85,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     from vlm_retrofit.skipping import static_prefix
 
     from .data import tuxpaint_split
-    from .evaluate import routing_share
+    from .evaluate import routing_share, timed_generate
     from .real_vlm import load_image, load_real_vlm
     from vlm_retrofit.pruning import layers_removed
     from .sweep import prompt_inputs
@@ -128,8 +129,7 @@ def main(argv: list[str] | None = None) -> int:
 
             with torch.no_grad():
                 with skipping() as report:  # what it skips on this batch (the same at every round)
-                    model.generate(**inputs, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
-                                   do_sample=False, pad_token_id=pad)
+                    timed_generate(model, inputs, pad, args.new_tokens)
                 ratio = measure(model, adapter, inputs, pad, skipping, args.rounds, args.new_tokens)
             print(f"batch {batch}: {name}, {report.skipped_text_layer_fraction:.1%} of the text's layer executions "
                   f"skipped: {ratio:.3f}x base")

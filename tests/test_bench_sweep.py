@@ -329,7 +329,7 @@ def test_paired_speed_ratios_alternate_the_order_so_a_drifting_machine_favours_n
         calls.append(active[-1])
         return 1.0 + 0.1 * (len(calls) - 1)
 
-    monkeypatch.setattr(evaluate, "_timed_generate", timed_generate)
+    monkeypatch.setattr(evaluate, "timed_generate", timed_generate)
     base, other = method_of("base"), method_of("other")
     ratios = evaluate.paired_speed_ratios(None, {}, other, base, 0, rounds=4)
     assert calls == ["base", "other", "other", "base"] * 2  # ABBA

@@ -181,7 +181,7 @@ class RouterAdapter(nn.Module):
                 return with_layer_hidden_states(args, kwargs, self._push_and_mix(block - 1, hidden, key))
             if controller.bypasses(block):
                 # Every token skips this block and it writes no cache: nothing would read its routed input.
-                self._record_delta(block - 1, hidden)
+                self._record_delta(block - 1, hidden, controller.ran(block - 1))
                 controller.decide(block, self._state)
                 return None
             routed = self._push_and_mix(block - 1, hidden, key)
@@ -208,30 +208,30 @@ class RouterAdapter(nn.Module):
         hidden = layer_hidden_states(args, kwargs)
         return with_layer_hidden_states(args, kwargs, self._push_and_mix(self.layout.num_blocks - 1, hidden, FINAL))
 
-    def _record_delta(self, block: int, hidden: Tensor) -> None:
-        """Push the delta of `block` (its output `hidden` minus its routed input), absent where it was skipped."""
+    def _record_delta(self, block: int, hidden: Tensor, present: Tensor | bool | None) -> None:
+        """Push the delta of `block` (its output `hidden` minus its routed input), absent where it was skipped
+        (`present`: the skip controller's `ran(block)`, None when every token ran it)."""
         state = self._state
         if state.routed_input is None:
             raise RuntimeError("router hook ran before the decoder's first layer; is the decoder loop reordered?")
-        present = self._controller.ran(block) if self._controller is not None else None
         if present is False:  # no token ran the block: its delta is absent everywhere
             state.stack.drop()
         else:
             state.stack.push_delta(hidden, state.routed_input, present)
 
     def _push_and_mix(self, block: int, hidden: Tensor, key: str) -> Tensor:
-        """`_record_delta(block, hidden)`, then `_mix(block, key)`: one fused call where every token ran the block,
+        """`_record_delta`, then `_mix(block, key)`: one fused call where every token ran the block,
         on a buffered fp32 CPU stream (a decoding step's case, with or without a skip policy)."""
         state = self._state
-        controller = self._controller
-        if state.fused_params is not None and (controller is None or controller.ran(block) is None):
+        present = self._controller.ran(block) if self._controller is not None else None
+        if state.fused_params is not None and present is None:
             stack = state.stack
             gate = state.fused_gates[block] if state.fused_gates is not None else None
             # Router `key` runs after `block`: routers are listed in block order, the final one last.
             row = stack.push_delta_and_route(hidden, state.routed_input, state.fused_params[block], gate)
             if row is not None:
                 return self._take_fused_row(key, row)
-        self._record_delta(block, hidden)
+        self._record_delta(block, hidden, present)
         return self._mix(block, key)
 
     def _mix(self, block: int, key: str) -> Tensor:
