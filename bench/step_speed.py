@@ -4,17 +4,21 @@
     python -m bench.step_speed --batches 20 --config configs/smollm2-tuxpaint.yaml
     python -m bench.step_speed --against kl-chunks-8m     # the chunked KL with its former 8 M-element chunks
     python -m bench.step_speed --against peft-disable-adapter   # the teacher's LoRA off by PEFT's own context
+    python -m bench.step_speed --against full-logits   # the LM head at every position (select_logits off)
+    python -m bench.step_speed --against peft-lora-forward   # PEFT's LoRA forward, not one addmm per projection
     python -m bench.step_speed --against whole-student \
         --lora-target '.*language_model.*layers\.(19|2[0-9])\..*(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)'
 
 The same training batches run through `RetrofitModule.compute_loss` + backward under bf16 autocast, alternating
 batch by batch between the two paths (the machine's drift hits both), and the loss of each pair is compared: the
 paths compute the same thing. `--against` picks the earlier path: `reference` (autograd through log_softmax +
-kl_div, PEFT's fp32 casts of LoRA inputs), `kl-chunks-8m` (the chunked KL in chunks of 8 M positions x vocabulary),
-`whole-student` (no layer taken from the teacher's forward: `share_teacher_prefix` off; only differs with a LoRA
-above the removal, `--lora-target`) or `peft-disable-adapter` (PEFT's `disable_adapter()` for the teacher, which
-walks every module: host time, whatever the width). Prints the seconds per step of each and their ratio. Needs
-the bench build.
+kl_div, PEFT's LoRA forward with its fp32 casts of LoRA inputs), `kl-chunks-8m` (the chunked KL in chunks of 8 M
+positions x vocabulary), `whole-student` (no layer taken from the teacher's forward: `share_teacher_prefix` off;
+only differs with a LoRA above the removal, `--lora-target`), `peft-disable-adapter` (PEFT's `disable_adapter()` for
+the teacher, which walks every module: host time, whatever the width), `full-logits` (`select_logits` off: the LM
+head at every position, the KL's positions indexed out of its logits) or `peft-lora-forward` (PEFT's own LoRA
+forward: the update formed, scaled and added as three ops after its matmul). Prints the seconds per step of each and
+their ratio. Needs the bench build.
 """
 
 from __future__ import annotations
@@ -39,51 +43,53 @@ from .kl_speed import reference_kl
 
 
 @contextlib.contextmanager
+def _replaced(owner: object, **values: object) -> Iterator[None]:
+    """`owner`'s attributes set to `values` within the context, then their own values back."""
+    saved = {name: getattr(owner, name) for name in values}
+    for name, value in values.items():
+        setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(owner, name, value)
+
+
+@contextlib.contextmanager
 def reference_path(module: RetrofitModule) -> Iterator[None]:
-    """The step as it ran before the chunked KL and the uncast LoRA inputs."""
-    kl, layers = module_code.distillation_kl, module._lora_layers
-    module_code.distillation_kl, module._lora_layers = reference_kl, []
-    try:
+    """The step as it ran before the chunked KL and this code's LoRA layers (PEFT's forward, with its casts)."""
+    with _replaced(module_code, distillation_kl=reference_kl), _replaced(module, _lora_layers=[]):
         yield
-    finally:
-        module_code.distillation_kl, module._lora_layers = kl, layers
 
 
-@contextlib.contextmanager
-def kl_chunks_8m(module: RetrofitModule) -> Iterator[None]:
+def kl_chunks_8m(module: RetrofitModule) -> contextlib.AbstractContextManager:
     """The chunked KL in the 8 M-element chunks it had before."""
-    chunk = losses.KL_CHUNK_ELEMENTS
-    losses.KL_CHUNK_ELEMENTS = 1 << 23
-    try:
-        yield
-    finally:
-        losses.KL_CHUNK_ELEMENTS = chunk
+    return _replaced(losses, KL_CHUNK_ELEMENTS=1 << 23)
 
 
-@contextlib.contextmanager
-def whole_student(module: RetrofitModule) -> Iterator[None]:
+def whole_student(module: RetrofitModule) -> contextlib.AbstractContextManager:
     """The student running every layer it keeps (`share_teacher_prefix` off)."""
-    shared = module.hparams.share_teacher_prefix
-    module.hparams.share_teacher_prefix = False
-    try:
-        yield
-    finally:
-        module.hparams.share_teacher_prefix = shared
+    return _replaced(module.hparams, share_teacher_prefix=False)
 
 
-@contextlib.contextmanager
-def peft_disable_adapter(module: RetrofitModule) -> Iterator[None]:
+def peft_disable_adapter(module: RetrofitModule) -> contextlib.AbstractContextManager:
     """The teacher's LoRA turned off by PEFT's own `disable_adapter()`, which walks every module of the backbone."""
-    switch = module_code.adapters_disabled
-    module_code.adapters_disabled = lambda model, switches: model.disable_adapter()
-    try:
-        yield
-    finally:
-        module_code.adapters_disabled = switch
+    return _replaced(module_code, adapters_disabled=lambda model, switches: model.disable_adapter())
+
+
+def full_logits(module: RetrofitModule) -> contextlib.AbstractContextManager:
+    """The LM head at every position, the KL's positions indexed out of its logits (`select_logits` off)."""
+    return _replaced(module.hparams, select_logits=False)
+
+
+def peft_lora_forward(module: RetrofitModule) -> contextlib.AbstractContextManager:
+    """PEFT's own LoRA forward (no `lora_addmm`)."""
+    return _replaced(module_code, lora_addmm=lambda layers: contextlib.nullcontext())
 
 
 EARLIER_PATHS = {"reference": reference_path, "kl-chunks-8m": kl_chunks_8m, "whole-student": whole_student,
-                 "peft-disable-adapter": peft_disable_adapter}
+                 "peft-disable-adapter": peft_disable_adapter, "full-logits": full_logits,
+                 "peft-lora-forward": peft_lora_forward}
 
 
 def timed_step(module: RetrofitModule, batch, seed: int) -> tuple[float, float]:

@@ -1,5 +1,6 @@
 """RetrofitModule: the distillation loss and its invariants, skip simulation = cached inference, logging, NaN steps."""
 
+import contextlib
 import math
 
 import lightning.pytorch as pl
@@ -7,9 +8,11 @@ import pytest
 import torch
 
 from vlm_retrofit.skipping import PatternPolicy, SkipController
-from vlm_retrofit.testing import tiny_inputs, tiny_vlm
+from vlm_retrofit.testing import FAMILIES, tiny_inputs, tiny_vlm
 from vlm_retrofit.training import FixedBatchDataModule, RetrofitModule, compute_penalty, distillation_kl, drop_rate_at
 from vlm_retrofit.training.optim import base_lr, lr_lambda, parameter_groups
+from vlm_retrofit.training.peft_layers import autocast_lora_inputs, lora_addmm
+from vlm_retrofit.training.prefix import head_rows_selected
 
 
 def _batch(family, batch_size=2, seed=0):
@@ -108,11 +111,58 @@ def test_lora_inputs_uncast_under_autocast_give_the_same_logits(torch_dtype):
     module._lora_layers[0].register_forward_pre_hook(lambda layer, args: casting.append(layer.cast_input_dtype_enabled))
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         peft_default = module.model(**inputs).logits
-        uncast = module._forward(dict(inputs), None).logits
+        with autocast_lora_inputs(module._lora_layers, "cpu"):
+            uncast = module.model(**inputs).logits
     assert torch.equal(uncast, peft_default) and casting == [True, False]
     assert all(layer.cast_input_dtype_enabled for layer in module._lora_layers)  # restored
     with torch.no_grad():  # outside autocast the cast stays (bf16 inputs, fp32 LoRA weights)
         module._forward(dict(inputs), None)
+
+
+def _lora_logits_and_grads(module, inputs, fused, autocast=False):
+    module.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), \
+            lora_addmm(module._lora_layers) if fused else contextlib.nullcontext():
+        logits = module.model(**inputs).logits
+    logits.float().square().mean().backward()
+    return logits.detach().float(), {n: p.grad for n, p in module.model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("torch_dtype", [None, "bfloat16"])
+def test_lora_as_one_addmm_gives_peft_logits_and_gradients(torch_dtype, monkeypatch):
+    module = RetrofitModule(backbone="tiny:llama", torch_dtype=torch_dtype,
+                            lora={"r": 4, "target_modules": ["q_proj", "up_proj", "down_proj"]})
+    with torch.no_grad():  # a LoRA that does something
+        for name, param in module.model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.1)
+    inputs = tiny_inputs(module.processor, batch=2)
+    addmm, calls = torch.addmm, []
+    monkeypatch.setattr(torch, "addmm", lambda *a, **k: calls.append(1) or addmm(*a, **k))
+    autocast = torch_dtype == "bfloat16"  # bf16 frozen weights train under autocast; fp32 ones need none
+    peft_logits, peft_grads = _lora_logits_and_grads(module, inputs, fused=False, autocast=autocast)
+    assert not calls
+    logits, grads = _lora_logits_and_grads(module, inputs, fused=True, autocast=autocast)
+    assert len(calls) == 4 * 3  # every adapted projection of the 4 layers
+    assert grads.keys() == peft_grads.keys() and len(grads) == 4 * 3 * 2
+    tolerance = {"atol": 2e-2, "rtol": 2e-2} if autocast else {"atol": 1e-5, "rtol": 1e-5}  # bf16: one rounding less
+    torch.testing.assert_close(logits, peft_logits, **tolerance)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, peft_grads[name], **tolerance, msg=name)
+    assert not any("forward" in vars(layer) for layer in module._lora_layers)  # PEFT's forward back
+    calls.clear()
+    with torch.no_grad(), module.teacher(), lora_addmm(module._lora_layers):  # adapters off: PEFT's path, the base
+        module.model(**inputs)
+    assert not calls
+
+
+def test_lora_addmm_leaves_other_adapters_to_peft():
+    module = RetrofitModule(backbone="tiny:llama", lora={"r": 4, "target_modules": ["q_proj"], "use_dora": True})
+    inputs = tiny_inputs(module.processor, batch=2)
+    with torch.no_grad():
+        expected = module.model(**inputs).logits
+        with lora_addmm(module._lora_layers):
+            assert torch.equal(module.model(**inputs).logits, expected)
 
 def test_compute_penalty_drop_schedule_and_lr_schedule():
     expected = torch.tensor(0.9, requires_grad=True)
@@ -150,10 +200,33 @@ def test_identity_at_init_zero_kl_and_skipping_gives_signal(family):
     assert all(abs(v - 0.5) < 1e-6 for v in skipped.expected_keep.values())
     skipped.loss.backward()
     assert any(p.grad is not None and p.grad.abs().max() > 0 for p in module.adapter.parameters())
-    # Logits only where some row trains: the same loss as with full logits.
-    module.hparams.select_logits = False
-    full = module.compute_loss(batch, drop_rate=0.5, seed=1)
-    torch.testing.assert_close(full.kl, skipped.kl, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_at_the_kl_positions_only_give_the_loss_and_gradients_of_full_logits(family):
+    module = RetrofitModule(backbone=f"tiny:{family}", distill_positions="text", max_drop_rate=0.5)
+    _randomise_routers(module.adapter)
+    batch = _batch(family)
+    inputs, mask = module.model_inputs(batch)
+    assert mask.any() and not mask.all()  # padding and image placeholders are not read
+    with torch.no_grad():
+        full = module.model(**inputs).logits
+        with head_rows_selected(module.adapter.spec.get_lm_head(module.model), mask):
+            selected = module.model(**inputs).logits
+    assert selected.shape == (int(mask.sum()), full.shape[-1])
+    torch.testing.assert_close(selected, full[mask], atol=1e-5, rtol=1e-5)
+    losses, grads = {}, {}
+    for select in (True, False):
+        module.hparams.select_logits = select
+        module.zero_grad(set_to_none=True)
+        out = module.compute_loss(batch, drop_rate=0.5, seed=1)
+        out.loss.backward()
+        losses[select] = out.loss.detach()
+        grads[select] = {name: p.grad for name, p in module.named_parameters() if p.grad is not None}
+    assert losses[True] > 1e-5 and grads[True] and grads[True].keys() == grads[False].keys()
+    torch.testing.assert_close(losses[True], losses[False], atol=1e-6, rtol=1e-5)
+    for name, grad in grads[True].items():
+        torch.testing.assert_close(grad, grads[False][name], atol=1e-6, rtol=1e-4, msg=name)
 
 
 def test_teacher_is_the_base_model_without_inference_tensors():

@@ -29,8 +29,8 @@ from .checkpoint import CHECKPOINT_KEY, check_checkpoint, checkpoint_metadata, r
 from .losses import (PENALTIES, compute_penalty, distillation_kl, drop_rate_at, hidden_state_distillation,
                      routing_entropies)
 from .optim import SCHEDULES, base_lr, build_optimizer, lr_lambda
-from .peft_layers import adapter_switches, adapters_disabled, autocast_lora_inputs, lora_layers
-from .prefix import first_adapted_layer, layer_input_captured, layer_input_replaced
+from .peft_layers import adapter_switches, adapters_disabled, autocast_lora_inputs, lora_addmm, lora_layers
+from .prefix import first_adapted_layer, head_rows_selected, layer_input_captured, layer_input_replaced
 
 log = logging.getLogger("vlm_retrofit.training")
 
@@ -226,8 +226,8 @@ class RetrofitModule(pl.LightningModule):
                 in a row training stops with an error message.
             seed: seed of the skip sampling; the masks of a step depend only on (seed, step, rank), so a resumed
                 run draws exactly what an uninterrupted one would.
-            select_logits: compute logits only at sequence positions some row trains on (saves memory with
-                large vocabularies); off = full logits.
+            select_logits: run the LM head only at the positions the KL reads (saves time and memory with large
+                vocabularies: no logits for padding, image placeholders or prompts); off = full logits.
             log_per_block: also log keep ratios per block (where skipping is simulated; under a removal schedule
                 alone they are its blocks, which the mean keep ratio tells) and routing entropy per router.
             share_teacher_prefix: in LoRA healing (`train_routers: false`), the student does not rerun the layers
@@ -517,12 +517,15 @@ class RetrofitModule(pl.LightningModule):
                               candidate_blocks=self.adapter.skip_candidates,
                               skip_image_positions=self.adapter.skip_image_positions)
 
-    def _forward(self, inputs: dict[str, Any], keep: Tensor | None):
-        if keep is not None:
-            inputs = {**inputs, "logits_to_keep": keep}
+    def _forward(self, inputs: dict[str, Any], rows: Tensor | None):
+        """The model's forward; with `rows` (bool [B, T]) its logits are [N, V], at those positions only."""
         if self.hparams.hidden_weight:
             inputs = {**inputs, "output_hidden_states": True}
-        with autocast_lora_inputs(self._lora_layers, self.device.type):
+        with contextlib.ExitStack() as stack:
+            if rows is not None:
+                stack.enter_context(head_rows_selected(self.adapter.spec.get_lm_head(self.model), rows))
+            stack.enter_context(autocast_lora_inputs(self._lora_layers, self.device.type))
+            stack.enter_context(lora_addmm(self._lora_layers))
             return self.model(**inputs)
 
     def shared_prefix_layers(self, removed_layers: list[int]) -> int:
@@ -537,7 +540,7 @@ class RetrofitModule(pl.LightningModule):
                                                             self._lora_layers)
         return min(min(removed_layers), self._first_adapted_layer, *(self.replacements or {}))
 
-    def _removal_forward(self, inputs: dict[str, Any], keep: Tensor | None, removed_layers: list[int],
+    def _removal_forward(self, inputs: dict[str, Any], rows: Tensor | None, removed_layers: list[int],
                          shared: int = 0, prefix_output: Tensor | None = None):
         """The healing student: the backbone without `removed_layers` (identity routing, any linear replacement
         in place); with `shared`, its first `shared` layers do not run and the next kept one receives
@@ -552,13 +555,13 @@ class RetrofitModule(pl.LightningModule):
                 first_kept = next(i for i in range(len(layers)) if i not in skipped)
                 stack.enter_context(layer_input_replaced(layers[first_kept], prefix_output))
             stack.enter_context(layers_removed(self.model, spec, skipped))
-            return self._forward(inputs, keep)
+            return self._forward(inputs, rows)
 
-    def _verify_shared_prefix(self, logits: Tensor, inputs: dict[str, Any], keep: Tensor | None,
+    def _verify_shared_prefix(self, logits: Tensor, inputs: dict[str, Any], rows: Tensor | None,
                               removed_layers: list[int]) -> None:
         """Compare the student's `logits` from the shared prefix with the student run whole (once)."""
         with torch.no_grad():
-            whole = self._removal_forward(inputs, keep, removed_layers).logits.float()
+            whole = self._removal_forward(inputs, rows, removed_layers).logits.float()
         error = float((logits.detach().float() - whole).abs().max())
         self._prefix_verified = error <= 1e-3 * max(1.0, float(whole.abs().max()))
         if not self._prefix_verified:
@@ -584,13 +587,7 @@ class RetrofitModule(pl.LightningModule):
         self._ensure_removal_order(batch)
         self._ensure_skip_candidates(batch)
         inputs, mask = self.model_inputs(batch)
-        positions = mask  # over the whole sequence, for the hidden states
-        keep = None
-        if self.hparams.select_logits:
-            columns = mask.any(0)
-            if bool(columns.any()) and not bool(columns.all()):
-                keep = columns.nonzero().squeeze(-1)
-                mask = mask[:, keep]
+        rows = mask if self.hparams.select_logits else None  # logits [N, V] at the positions the KL reads
         removed = self.removed_blocks(seed, largest=largest_removal)
         layout = self.adapter.layout
         removed_layers = [] if self.hparams.train_routers else layout.layers_of_blocks(removed)
@@ -598,25 +595,26 @@ class RetrofitModule(pl.LightningModule):
         prefix: dict[str, Tensor] = {}
         with self.teacher(), (layer_input_captured(self.adapter.spec.get_layers(self.model)[shared], prefix)
                               if shared else contextlib.nullcontext()):
-            teacher = self._forward(inputs, keep)
+            teacher = self._forward(inputs, rows)
         sim = None
         if not self.hparams.train_routers:  # identity routing is the plain residual stream: the layers just go
-            student = self._removal_forward(inputs, keep, removed_layers, shared, prefix.get("hidden"))
+            student = self._removal_forward(inputs, rows, removed_layers, shared, prefix.get("hidden"))
             if shared and self._prefix_verified is None:
-                self._verify_shared_prefix(student.logits, inputs, keep, removed_layers)
+                self._verify_shared_prefix(student.logits, inputs, rows, removed_layers)
                 if not self._prefix_verified:
-                    student = self._removal_forward(inputs, keep, removed_layers)
+                    student = self._removal_forward(inputs, rows, removed_layers)
         else:
             # The compute a decode saves is on text tokens: padding and image placeholders do not count.
             sim = self.simulation(drop_rate, seed, removed,
                                   scored_positions(self.adapter, inputs, inputs["input_ids"].shape))
             with sim if sim is not None else contextlib.nullcontext():
-                student = self._forward(inputs, keep)
-        kl = distillation_kl(student.logits, teacher.logits, mask, self.hparams.temperature)
+                student = self._forward(inputs, rows)
+        kl = distillation_kl(student.logits, teacher.logits, None if rows is not None else mask,
+                             self.hparams.temperature)
         hidden = None
         if self.hparams.hidden_weight:
             hidden = hidden_state_distillation(student.hidden_states, teacher.hidden_states,
-                                               self.hidden_state_pairs(removed), positions)
+                                               self.hidden_state_pairs(removed), mask)
 
         skippable = layout.skippable_blocks
         if sim is not None:

@@ -1,13 +1,15 @@
 """PEFT's adapter layers listed once per model, and switches over that list (the teacher's LoRA off; no fp32 input
-copies under autocast) that PEFT's own helpers make by walking every module of the backbone on each call."""
+copies under autocast; each LoRA linear as one fused matmul) that PEFT's own helpers make by walking every module of
+the backbone on each call, or not at all."""
 
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+import functools
+from typing import Any, Iterator
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 
 def lora_layers(model: nn.Module) -> list[nn.Module]:
@@ -71,6 +73,56 @@ def autocast_lora_inputs(layers: list[nn.Module], device_type: str) -> Iterator[
         return
     with _set_on_each(layers, "cast_input_dtype_enabled", False, missing=True):
         yield
+
+
+@contextlib.contextmanager
+def lora_addmm(layers: list[nn.Module]) -> Iterator[None]:
+    """Within the context, each plain LoRA linear of `layers` adds its update inside the matmul that forms it:
+    `addmm(base(x), A(dropout(x)), B^T, alpha=scaling)`, one op where PEFT runs four (`B(...)`, `* scaling`, `+`,
+    and the copy of `.to(dtype)`).
+
+    A training step on CPU is bound by memory traffic wherever it does not multiply matrices, and PEFT's
+    `result + lora_B(lora_A(x)) * scaling` reads and writes the projection's full output three more times forward
+    and once more backward, for each of the seven projections of every layer. The sum is the same up to rounding
+    (the product is scaled in the matmul's accumulator, not after a rounding to bf16). A layer falls back to
+    PEFT's own forward whenever it is anything but one active vanilla adapter on a `nn.Linear` (adapters off or
+    merged, a variant such as DoRA, a LoRA bias, mixed adapter batches, extra arguments) or, outside autocast,
+    when its input, output and LoRA weights differ in dtype.
+    """
+    try:
+        from peft.tuners.lora.layer import Linear
+    except ImportError:
+        yield
+        return
+    plain = [layer for layer in layers if type(layer) is Linear and isinstance(layer.get_base_layer(), nn.Linear)]
+    saved = [layer.__dict__.get("forward") for layer in plain]
+    for layer in plain:
+        layer.forward = functools.partial(_addmm_forward, layer)
+    try:
+        yield
+    finally:
+        for layer, before in zip(plain, saved):
+            if before is None:
+                del layer.forward
+            else:
+                layer.forward = before
+
+
+def _addmm_forward(layer: nn.Module, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+    """`layer`'s forward as `lora_addmm` fuses it, or PEFT's where it does not apply."""
+    names = layer.active_adapters
+    name = names[0] if len(names) == 1 else None
+    if (args or kwargs or layer.disable_adapters or layer.merged or name not in layer.lora_A
+            or name in layer.lora_variant or layer.lora_B[name].bias is not None):
+        return type(layer).forward(layer, x, *args, **kwargs)
+    weight = layer.lora_B[name].weight
+    if not torch.is_autocast_enabled(x.device.type) and not x.dtype == weight.dtype == layer.base_layer.weight.dtype:
+        return type(layer).forward(layer, x, *args, **kwargs)
+    result = layer.base_layer(x)
+    update = layer.lora_A[name](layer.lora_dropout[name](x))
+    fused = torch.addmm(result.reshape(-1, result.shape[-1]), update.reshape(-1, update.shape[-1]), weight.t(),
+                        alpha=layer.scaling[name])
+    return fused.view(result.shape)
 
 
 @contextlib.contextmanager

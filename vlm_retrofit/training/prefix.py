@@ -1,4 +1,5 @@
-"""Sharing the teacher's forward of the decoder layers below the first adapted or removed one with the student."""
+"""Forward pre-hooks of a training step: the teacher's forward of the decoder layers below the first adapted or
+removed one shared with the student, and the LM head run only at the positions the loss reads."""
 
 from __future__ import annotations
 
@@ -30,6 +31,30 @@ def layer_input_replaced(layer: nn.Module, hidden: Tensor) -> Iterator[None]:
         return with_layer_hidden_states(args, kwargs, hidden)
 
     handle = layer.register_forward_pre_hook(replace, with_kwargs=True)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+@contextlib.contextmanager
+def head_rows_selected(lm_head: nn.Module, rows: Tensor) -> Iterator[None]:
+    """Within the context, `lm_head` receives only the hidden states at the positions where `rows` (bool [B, T], as
+    the hidden states it is called on) is True, flattened: the model returns logits [N, V], N = `rows.sum()`.
+
+    HF's `logits_to_keep` selects whole columns, so a batch of one long and three short rows computes, keeps and
+    backpropagates logits for every padded or unscored position of the columns the long row trains on (and indexing
+    them out costs a full-size zero-filled gradient in backward). Whatever the model does to the logits after its
+    head (Gemma's soft-capping) is per element, so it sees the rows as it would have seen them in place.
+    """
+    def select(module: nn.Module, args: tuple) -> tuple:
+        hidden = args[0]
+        if hidden.shape[:2] != rows.shape:
+            raise RuntimeError(f"head_rows_selected: the LM head got hidden states {tuple(hidden.shape)} for a row "
+                               f"mask {tuple(rows.shape)}; pass the model no logits_to_keep")
+        return (hidden[rows], *args[1:])
+
+    handle = lm_head.register_forward_pre_hook(select)
     try:
         yield
     finally:
