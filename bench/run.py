@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
 
 from .report import write_report
@@ -64,8 +65,9 @@ class Variant:
     """Static variants: remove the cheapest run of adjacent blocks at the speed target (`span_removal_order`),
     then greedy joint removal from it."""
     steps: int | None = None
-    """Train this many steps with the learning rate decaying to a tenth over them (cosine; `min_lr_ratio`), the
-    time budget as a cap; None = as many steps as the time budget allows, at a constant learning rate."""
+    """The learning rate decays to a tenth (cosine; `min_lr_ratio`): over the wall-clock budget by default
+    (`BudgetDecay`), over this many steps with `--decay-over steps` (the time budget as a cap); None = as many steps
+    as the time budget allows, at a constant learning rate."""
 
 
 # The routed recipe after the first runs: queries at 1/25 of the lr (AdamW moves all 576 query coordinates by
@@ -181,13 +183,17 @@ def removal_settings(variant: Variant, orders: dict[str, list[int]], max_removed
 COMPUTE_COUNTED_ON = "real text positions"
 
 
-def training_key(variant: Variant, removal: dict[str, Any]) -> dict[str, Any]:
+def training_key(variant: Variant, removal: dict[str, Any], decay_over: str = "steps") -> dict[str, Any]:
     """What a reused adapter of `variant` must have been trained with (its train_info.json): the removal
-    settings `removal`, and for a variant pulled to a compute target, what that target counted and whether image
-    positions could skip."""
+    settings `removal`; for a decaying variant under `decay_over="budget"`, that decay (adapters trained before it
+    decayed over their steps); for a variant pulled to a compute target, what that target counted and whether
+    image positions could skip."""
+    key = dict(removal)
+    if variant.steps and decay_over == "budget":
+        key["decay_over"] = "budget"
     if variant.module.get("compute_target") is None:
-        return dict(removal)
-    return {**removal, "compute_counted_on": COMPUTE_COUNTED_ON,
+        return key
+    return {**key, "compute_counted_on": COMPUTE_COUNTED_ON,
             "skip_image_positions": variant.module.get("skip_image_positions", True)}
 
 
@@ -224,16 +230,53 @@ def training_arguments(variant: Variant, removal: dict[str, Any], lr_scale: floa
     return arguments
 
 
+class BudgetDecay(pl.Callback):
+    """The learning rate's decay runs over a wall-clock budget instead of a step count. At each
+    step the schedule's progress is the training time spent over `seconds` (warmup stays in steps), so the decay
+    ends with the budget whatever a step costs: on a machine whose speed drifts, or a GPU whose step time was never
+    measured, a run sized in steps either stops undecayed at the time cap or leaves the budget unused.
+
+    Built on the module's own schedule (`scheduler`, `warmup_steps`, `min_lr_ratio`); `sync` waits for the
+    device before the clock is read.
+    """
+
+    RESOLUTION = 1_000_000  # steps of the step-based schedule that one budget spans
+
+    def __init__(self, seconds: float, sync=lambda: None, clock=time.perf_counter):
+        if seconds <= 0:
+            raise ValueError(f"BudgetDecay needs a budget > 0 s, got {seconds}")
+        self.seconds, self.sync, self.clock = float(seconds), sync, clock
+        self.started: float | None = None
+
+    def factor(self, warmup, decay):
+        """The multiplier of the base learning rate at a step: `warmup(step)` times `decay` at the time spent."""
+        def multiplier(step: int) -> float:
+            self.sync()
+            progress = min(1.0, (self.clock() - self.started) / self.seconds)
+            return warmup(step) * decay(round(progress * self.RESOLUTION))
+        return multiplier
+
+    def on_train_start(self, trainer, module) -> None:
+        from vlm_retrofit.training.optim import lr_lambda
+
+        hp = module.hparams
+        self.started = self.clock()
+        multiplier = self.factor(lr_lambda("constant", hp.warmup_steps, None, 1.0),
+                                 lr_lambda(hp.scheduler, 0, self.RESOLUTION, hp.min_lr_ratio))
+        for config in trainer.lr_scheduler_configs:
+            config.scheduler.lr_lambdas = [multiplier] * len(config.scheduler.lr_lambdas)
+
+
 def train_variant(variant: Variant, backbone: str, shards: dict[str, Any], minutes: float, batch_size: int, *,
                   removal: dict[str, Any], runs: Path = RUNS, device: str = "cpu",
                   dtype: str | None = None, precision: str = "32-true", num_workers: int = 1,
-                  lr_scale: float = 1.0) -> dict:
+                  lr_scale: float = 1.0, decay_over: str = "steps") -> dict:
     """Distil one router variant within a wall-clock budget; the adapter lands in RUNS/<name>/adapter.
 
-    Variants evaluated with the static policy train under the removal schedule `removal` (`removal_settings`).
+    Variants evaluated with the static policy train under the removal schedule `removal` (`removal_settings`). A
+    variant with a step count decays its learning rate over them (`decay_over="steps"`) or over the budget's wall
+    clock (`"budget"`: as many steps as the budget holds, `BudgetDecay`).
     """
-    import lightning.pytorch as pl
-
     from vlm_retrofit.datamodules import WebDatasetDataModule
     from vlm_retrofit.training import RetrofitModule
 
@@ -268,9 +311,12 @@ def train_variant(variant: Variant, backbone: str, shards: dict[str, Any], minut
             kl = trainer.callback_metrics.get("train/kl")
             kl_curve.append(float(kl) if kl is not None else float("nan"))
 
-    trainer = pl.Trainer(max_time={"minutes": minutes}, max_steps=variant.steps or 100000, limit_val_batches=0, logger=False,
+    by_budget = bool(variant.steps) and decay_over == "budget"
+    callbacks = [StepTimer(), *([BudgetDecay(minutes * 60, sync)] if by_budget else [])]
+    trainer = pl.Trainer(max_time={"minutes": minutes}, max_steps=variant.steps if variant.steps and not by_budget
+                         else 100000, limit_val_batches=0, logger=False,
                          accelerator="gpu" if cuda else "cpu", devices=1, precision=precision,
-                         enable_checkpointing=False, enable_progress_bar=False, callbacks=[StepTimer()],
+                         enable_checkpointing=False, enable_progress_bar=False, callbacks=callbacks,
                          default_root_dir=out, log_every_n_steps=10)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -280,7 +326,9 @@ def train_variant(variant: Variant, backbone: str, shards: dict[str, Any], minut
     module.save_adapter(out / "adapter")
     steady = timings[5:] or timings
     info = {"steps": trainer.global_step, "minutes": minutes, "batch_size": batch_size, "lr": module_args["lr"],
-            "schedule": f"cosine to 0.1x over {variant.steps} steps" if variant.steps else module_args["scheduler"],
+            "schedule": (f"cosine to 0.1x over the {minutes:g}-min budget's wall clock" if by_budget
+                         else f"cosine to 0.1x over {variant.steps} steps" if variant.steps else module_args["scheduler"]),
+            **({"decay_over": "budget"} if by_budget else {}),
             "fit_seconds": round(fit_seconds, 1),
             "removal_order": module.adapter.removal_order, "max_removed_blocks": module.hparams.max_removed_blocks,
             "min_removed_blocks": module.hparams.min_removed_blocks,
@@ -349,9 +397,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help="adapters to train (or reuse) and measure; none (`--variants` alone): the base and the "
                              "training-free baselines only")
     parser.add_argument("--train-minutes", type=float, default=20.0, help="distillation budget per variant (wall clock)")
+    parser.add_argument("--decay-over", default="budget", choices=["budget", "steps"],
+                        help="what the learning rate of the decaying variants (the LoRA healing) decays over: the "
+                             "wall clock of --train-minutes (as many steps as it holds, on any machine) or each "
+                             "variant's step count (the runs before 2026-12-03; the time budget still caps it)")
     parser.add_argument("--train-steps", type=int, default=None,
-                        help="override the step count of the variants trained over a fixed number of steps (their "
-                             "cosine decay spans it; the time budget still caps it): e.g. more steps on a GPU")
+                        help="decay over this many steps instead (implies --decay-over steps; the time budget still "
+                             "caps it)")
     parser.add_argument("--train-precision", default="bf16-mixed", choices=["32-true", "bf16-mixed"],
                         help="Lightning precision of the distillation steps: bf16-mixed runs the matmuls in bf16 "
                              "under autocast (1.25x the steps per minute of 32-true over a whole run on 2 AVX512-BF16 "
@@ -438,7 +490,8 @@ def main(argv: list[str] | None = None) -> int:
     orders = {"impact": removal_order, "joint": joint_order, "span": span_order}
     removals = {v.name: removal_settings(v, orders, max_removed_blocks, speed_removed_blocks, min_target_blocks)
                 for v in variants}
-    stale = stale_runs(variants, runs, {v.name: training_key(v, removals[v.name]) for v in variants})
+    decay_over = "steps" if args.train_steps else args.decay_over
+    stale = stale_runs(variants, runs, {v.name: training_key(v, removals[v.name], decay_over) for v in variants})
     if stale:  # refused before any work: reusing them would mislabel rows
         raise SystemExit("trained adapters that do not match this run's training (delete them to retrain):\n  "
                          + "\n  ".join(stale))
@@ -452,7 +505,7 @@ def main(argv: list[str] | None = None) -> int:
             variant, args.backbone, shards, args.train_minutes, args.batch_size, removal=removals[variant.name],
             runs=runs, device=args.device,
             dtype=None if train_dtype == "float32" else train_dtype, precision=args.train_precision,
-            num_workers=args.num_workers, lr_scale=args.lr_scale)
+            num_workers=args.num_workers, lr_scale=args.lr_scale, decay_over=decay_over)
         log(f"trained {variant.name}: {training[variant.name]}")
 
     bench = Bench(model, processor, data, args.new_tokens)

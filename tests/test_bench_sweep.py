@@ -243,6 +243,46 @@ def test_train_steps_override_only_the_fixed_step_variants():
     assert [VARIANTS[n].steps for n in names] == registered  # the registry is not modified
 
 
+def test_budget_decay_runs_the_schedule_over_the_wall_clock():
+    from types import SimpleNamespace
+
+    from bench.run import BudgetDecay
+
+    now = [0.0]
+    decay = BudgetDecay(100.0, clock=lambda: now[0])
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    trainer = SimpleNamespace(lr_scheduler_configs=[SimpleNamespace(scheduler=scheduler)])
+    module = SimpleNamespace(hparams=SimpleNamespace(scheduler="cosine", warmup_steps=4, min_lr_ratio=0.1))
+    decay.on_train_start(trainer, module)
+    factor = scheduler.lr_lambdas[0]
+    assert factor(0) == 0.25 and factor(3) == 1.0  # warmup in steps
+    now[0] = 50.0
+    assert factor(3) == pytest.approx(0.55) and factor(400) == pytest.approx(0.55)  # half the budget: whatever the step
+    now[0] = 100.0
+    assert factor(10) == pytest.approx(0.1)
+    now[0] = 500.0  # past the budget (the time cap ends the run): the floor
+    assert factor(10) == pytest.approx(0.1)
+    with pytest.raises(ValueError, match="budget"):
+        BudgetDecay(0)
+
+
+def test_budget_decay_ends_a_training_run_at_the_floor():
+    import lightning.pytorch as pl
+
+    from bench.run import BudgetDecay
+    from vlm_retrofit.training import FixedBatchDataModule, RetrofitModule
+
+    module = RetrofitModule(backbone="tiny:llama", lr=1e-2, warmup_steps=1, max_drop_rate=0.5)
+    data = FixedBatchDataModule(processor="tiny:llama", num_batches=4, val_batches=0, batch_size=2, seed=0)
+    trainer = pl.Trainer(max_time={"seconds": 4}, max_steps=100000, accelerator="cpu", logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         limit_val_batches=0, callbacks=[BudgetDecay(2.0)])
+    trainer.fit(module, data)
+    assert trainer.global_step > 5  # the time cap ended it, not a step count
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(1e-3)  # decayed to a tenth within the budget
+
+
 def test_training_arguments_scale_the_learning_rate_and_keep_the_recipe():
     from bench.run import training_arguments
 
@@ -288,6 +328,13 @@ def test_adapters_trained_otherwise_are_found_before_any_work(tmp_path):
     (tmp_path / "gate" / "train_info.json").write_text(json.dumps(info))
     stale = stale_runs(variants, tmp_path, keys)
     assert len(stale) == 1 and "skip_image_positions" in stale[0]
+    # LoRA healing decayed over its steps is stale for a run that decays over the budget, and the gates unaffected.
+    budget = {v.name: training_key(v, expected[v.name], "budget") for v in variants}
+    assert budget["lora_mlp_span"] == {**expected["lora_mlp_span"], "decay_over": "budget"}
+    assert budget["gate"] == keys["gate"] and budget["routed_static"] == keys["routed_static"]
+    stale = stale_runs(variants, tmp_path, budget)
+    assert sorted(line.split(": ")[0].rsplit("/", 1)[-1] for line in stale) == ["gate", "lora_mlp_joint_plain",
+                                                                              "lora_mlp_span"]
 
 
 def test_routing_time_accumulates_over_forwards_and_leaves_the_adapter_as_it_was():
