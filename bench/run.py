@@ -219,12 +219,14 @@ def _peak_rss_mb() -> float:
 
 
 # -- training -----------------------------------------------------------------------------------------------
-def training_arguments(variant: Variant, removal: dict[str, Any], lr_scale: float = 1.0) -> dict[str, Any]:
+def training_arguments(variant: Variant, removal: dict[str, Any], lr_scale: float = 1.0,
+                       decay_over: str = "steps") -> dict[str, Any]:
     """`RetrofitModule` arguments of `variant` (besides backbone, router and dtype): its recipe, the cosine decay
-    over its steps where it has a step count, its removal schedule `removal`, the learning rate times `lr_scale`."""
+    where it has a step count (over those steps, or with `decay_over="budget"` over no step count: `BudgetDecay`
+    drives it), its removal schedule `removal`, the learning rate times `lr_scale`."""
     arguments = {"lr": 5e-3, "warmup_steps": 20, "scheduler": "constant", **variant.module}
     if variant.steps:
-        arguments.update(scheduler="cosine", total_steps=variant.steps)
+        arguments.update(scheduler="cosine", total_steps=variant.steps if decay_over == "steps" else None)
     arguments.update(removal)
     arguments["lr"] *= lr_scale
     return arguments
@@ -284,7 +286,7 @@ def train_variant(variant: Variant, backbone: str, shards: dict[str, Any], minut
     info_path = out / "train_info.json"
     if info_path.is_file():
         return json.loads(info_path.read_text())
-    module_args = training_arguments(variant, removal, lr_scale)
+    module_args = training_arguments(variant, removal, lr_scale, decay_over)
     module = RetrofitModule(backbone=backbone, model_class="bench.efficientnet_tower.LlavaForConditionalGeneration",
                             router=variant.router, torch_dtype=dtype, **module_args)
     data = WebDatasetDataModule(processor=backbone, train_shards=shards["train"],
@@ -313,8 +315,8 @@ def train_variant(variant: Variant, backbone: str, shards: dict[str, Any], minut
 
     by_budget = bool(variant.steps) and decay_over == "budget"
     callbacks = [StepTimer(), *([BudgetDecay(minutes * 60, sync)] if by_budget else [])]
-    trainer = pl.Trainer(max_time={"minutes": minutes}, max_steps=variant.steps if variant.steps and not by_budget
-                         else 100000, limit_val_batches=0, logger=False,
+    trainer = pl.Trainer(max_time={"minutes": minutes}, max_steps=module_args.get("total_steps") or 100000,
+                         limit_val_batches=0, logger=False,
                          accelerator="gpu" if cuda else "cpu", devices=1, precision=precision,
                          enable_checkpointing=False, enable_progress_bar=False, callbacks=callbacks,
                          default_root_dir=out, log_every_n_steps=10)

@@ -295,6 +295,9 @@ def test_training_arguments_scale_the_learning_rate_and_keep_the_recipe():
     assert plain["removal_order"] == [2, 3, 1] and plain["lora_b_lr_scale"] == 4.0
     gate = training_arguments(VARIANTS["gate"], {})
     assert gate["scheduler"] == "constant" and gate["lr"] == 5e-3 and gate["skip_image_positions"] is False
+    budget = training_arguments(VARIANTS["lora_mlp_span"], removal, decay_over="budget")  # BudgetDecay drives it
+    assert budget["scheduler"] == "cosine" and budget["total_steps"] is None
+    assert {k: v for k, v in budget.items() if k != "total_steps"} == {k: v for k, v in plain.items() if k != "total_steps"}
 
 
 def test_adapters_trained_otherwise_are_found_before_any_work(tmp_path):

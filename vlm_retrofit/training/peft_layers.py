@@ -81,31 +81,34 @@ def lora_addmm(layers: list[nn.Module]) -> Iterator[None]:
     `addmm(base(x), A(dropout(x)), B^T, alpha=scaling)`, one op where PEFT runs four (`B(...)`, `* scaling`, `+`,
     and the copy of `.to(dtype)`).
 
-    A training step on CPU is bound by memory traffic wherever it does not multiply matrices, and PEFT's
-    `result + lora_B(lora_A(x)) * scaling` reads and writes the projection's full output three more times forward
-    and once more backward, for each of the seven projections of every layer. The sum is the same up to rounding
-    (the product is scaled in the matmul's accumulator, not after a rounding to bf16). A layer falls back to
-    PEFT's own forward whenever it is anything but one active vanilla adapter on a `nn.Linear` (adapters off or
-    merged, a variant such as DoRA, a LoRA bias, mixed adapter batches, extra arguments) or, outside autocast,
-    when its input, output and LoRA weights differ in dtype.
+    A training step on CPU is bound by memory traffic wherever it does not multiply matrices, and PEFT's `result +
+    lora_B(lora_A(x)) * scaling` reads and writes the projection's full output three more times forward and once
+    more backward, for each of the seven projections of every layer. The sum is the same up to rounding (the product
+    is scaled in the matmul's accumulator, not after a rounding to bf16). A layer falls back to PEFT's own forward
+    whenever it is anything but one active vanilla adapter on a plain `nn.Linear` (adapters off or merged, a variant
+    such as DoRA, a LoRA bias, mixed adapter batches, extra arguments) or, outside autocast, when its input, output
+    and LoRA weights differ in dtype.
     """
     try:
         from peft.tuners.lora.layer import Linear
     except ImportError:
         yield
         return
-    plain = [layer for layer in layers if type(layer) is Linear and isinstance(layer.get_base_layer(), nn.Linear)]
-    saved = [layer.__dict__.get("forward") for layer in plain]
+    # Entered on every forward of a step, so kept to a type check per layer (the base layer is checked where the
+    # layer runs: `get_base_layer()` costs ~3 us each) and plain dict writes (nn.Module's __setattr__ / __delattr__
+    # search its parameter, buffer and module dicts first): ~1 ms -> ~0.1 ms for the 210 LoRA linears of 30 layers.
+    plain = [layer for layer in layers if type(layer) is Linear]
+    saved = [vars(layer).get("forward") for layer in plain]
     for layer in plain:
-        layer.forward = functools.partial(_addmm_forward, layer)
+        vars(layer)["forward"] = functools.partial(_addmm_forward, layer)
     try:
         yield
     finally:
         for layer, before in zip(plain, saved):
             if before is None:
-                del layer.forward
+                del vars(layer)["forward"]
             else:
-                layer.forward = before
+                vars(layer)["forward"] = before
 
 
 def _addmm_forward(layer: nn.Module, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
@@ -113,12 +116,13 @@ def _addmm_forward(layer: nn.Module, x: Tensor, *args: Any, **kwargs: Any) -> Te
     names = layer.active_adapters
     name = names[0] if len(names) == 1 else None
     if (args or kwargs or layer.disable_adapters or layer.merged or name not in layer.lora_A
-            or name in layer.lora_variant or layer.lora_B[name].bias is not None):
+            or name in layer.lora_variant or layer.lora_B[name].bias is not None
+            or not isinstance(layer.base_layer, nn.Linear)):
         return type(layer).forward(layer, x, *args, **kwargs)
-    weight = layer.lora_B[name].weight
-    if not torch.is_autocast_enabled(x.device.type) and not x.dtype == weight.dtype == layer.base_layer.weight.dtype:
+    weight, base = layer.lora_B[name].weight, layer.base_layer
+    if not torch.is_autocast_enabled(x.device.type) and not x.dtype == weight.dtype == base.weight.dtype:
         return type(layer).forward(layer, x, *args, **kwargs)
-    result = layer.base_layer(x)
+    result = base(x)
     update = layer.lora_A[name](layer.lora_dropout[name](x))
     fused = torch.addmm(result.reshape(-1, result.shape[-1]), update.reshape(-1, update.shape[-1]), weight.t(),
                         alpha=layer.scaling[name])
