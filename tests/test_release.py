@@ -67,6 +67,41 @@ def test_merged_lora_equals_unmerged_lora(trained, tmp_path, options):
     merged, _ = load_release(tmp_path / "merged")
     inputs = tiny_inputs(processor)
     torch.testing.assert_close(_logits(merged, inputs), _logits(unmerged, inputs), atol=1e-4, rtol=0)
+    # fp32 weights: the release reproduces the unmerged model itself, and no merge change is recorded.
+    assert "lora_merge_logit_change" not in json.loads((tmp_path / "merged" / "release_config.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def trained_bf16(tmp_path_factory):
+    """A short bf16 `fit` (bf16 frozen weights, bf16-mixed steps) whose LoRA also trains the layers' norms."""
+    run = tmp_path_factory.mktemp("run_bf16")
+    lora = {"r": 4, "lora_alpha": 8, "target_modules": r".*language_model.*\.(q_proj|v_proj)",
+            "modules_to_save": ["input_layernorm", "post_attention_layernorm"]}
+    fit_config(run, "tiny-llava-lora.yaml", "--trainer.max_steps", "3", "--model.torch_dtype", "bfloat16",
+               "--trainer.precision", "bf16-mixed", "--model.lora", json.dumps(lora))
+    return run / "runs" / "tiny-llava-lora" / "adapter"
+
+
+def test_a_lora_merged_into_bf16_weights_reproduces_the_merged_weights_and_records_what_it_changed(
+        trained_bf16, tmp_path, capsys):
+    merge(trained_bf16, tmp_path / "lora")
+    assert main(["merge", "--ckpt", str(trained_bf16), "--output", str(tmp_path / "merged"), "--merge-lora"]) == 0
+    assert "changed the sample logits by up to" in capsys.readouterr().out
+    merge(trained_bf16, tmp_path / "full", full_weights=True)
+    change = json.loads((tmp_path / "merged" / "release_config.json").read_text())["lora_merge_logit_change"]
+    assert 0 < change < 0.1  # bf16 rounding of the merged weights, not a lost adapter
+    assert "lora_merge_logit_change" not in json.loads((tmp_path / "lora" / "release_config.json").read_text())
+    unmerged, processor = load_release(tmp_path / "lora")
+    merged, _ = load_release(tmp_path / "merged")
+    full, _ = load_release(tmp_path / "full")
+    inputs = tiny_inputs(processor)
+    torch.testing.assert_close(_logits(full, inputs), _logits(merged, inputs), atol=0, rtol=0)
+    assert (_logits(merged, inputs).float() - _logits(unmerged, inputs).float()).abs().max() <= change + 1e-6
+    # The trained norms are part of the merged weights (the LoRA layers' weights alone would drop them).
+    trained_norm = unmerged.base_model.model.model.language_model.layers[0].input_layernorm
+    shipped_norm = merged.model.language_model.layers[0].input_layernorm
+    assert (trained_norm.modules_to_save["default"].weight - 1).abs().max() > 0
+    torch.testing.assert_close(shipped_norm.weight, trained_norm.modules_to_save["default"].weight, atol=0, rtol=0)
 
 
 def test_merge_is_idempotent_byte_for_byte(trained, tmp_path):

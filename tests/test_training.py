@@ -394,6 +394,33 @@ def test_teacher_switches_adapters_off_as_peft_does_and_gives_each_its_state_bac
                if "lora_" in n or "modules_to_save" in n)
 
 
+def test_modules_to_save_copies_of_a_bf16_backbone_train_in_fp32_and_run_outside_autocast():
+    module = RetrofitModule(backbone="tiny:llama", torch_dtype="bfloat16", max_drop_rate=0.5, lr=1e-3,
+                            lora={"r": 2, "lora_alpha": 4, "target_modules": ["q_proj"], "modules_to_save": ["norm"]})
+    wrappers = [m for m in module._adapter_switches if hasattr(m, "modules_to_save")]
+    copies = [w.modules_to_save["default"] for w in wrappers]
+    assert len(copies) == 9  # two norms per layer and the final norm
+    assert all(w.original_module.weight.dtype == torch.bfloat16 for w in wrappers)
+    assert all(c.weight.dtype == torch.float32 and c.weight.requires_grad for c in copies)
+    before = [c.weight.detach().clone() for c in copies]
+    optimizer = module.configure_optimizers()["optimizer"]
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # as bf16-mixed steps run
+        out = module.compute_loss(_batch("llama"), drop_rate=0.5, seed=1)
+    out.loss.backward()
+    optimizer.step()
+    # An AdamW step of at most lr = 1e-3 (less in warmup) on a gain of 1: in bf16 it would round back to 1 (a unit
+    # there is 2^-7).
+    steps = [float((c.weight.detach() - b).abs().max()) for c, b in zip(copies, before)]
+    assert all(1e-5 < step <= 1.1e-3 for step in steps), steps
+    inputs, _ = module.model_inputs(_batch("llama"))
+    with torch.no_grad():  # no autocast, as generation runs: bf16 activations meet the fp32 copies
+        logits = module.model(**inputs).logits
+        with module.teacher():
+            teacher = module.model(**inputs).logits
+    assert logits.dtype == teacher.dtype == torch.bfloat16 and torch.isfinite(logits).all()
+    assert (logits.float() - teacher.float()).abs().max() > 0  # the trained copies are what the student runs
+
+
 class _NaNAt(RetrofitModule):
     """Loss is NaN at the listed optimizer steps (all steps when `nan_steps` is None)."""
 

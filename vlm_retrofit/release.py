@@ -198,17 +198,21 @@ def load_trained(path: str | os.PathLike, base: str | None = None, *, trust_remo
 
 # -- merging --------------------------------------------------------------------------------------------
 def _lora_base_weight_keys(peft_model: nn.Module) -> list[str]:
-    """State-dict keys (after merge_and_unload) of the weights a LoRA changes."""
+    """State-dict keys (after merge_and_unload) of the weights a LoRA changes: those of its adapted layers and of
+    its `modules_to_save` copies (trained norms or heads, which the merge puts in place of the originals)."""
     from peft.tuners.lora import LoraLayer
+    from peft.utils.other import ModulesToSaveWrapper
 
     prefix = "base_model.model."
     keys = []
     for name, module in peft_model.named_modules():
+        base = name.removeprefix(prefix)
         if isinstance(module, LoraLayer):
-            base = name.removeprefix(prefix)
             keys.append(f"{base}.weight")
             if getattr(module.get_base_layer(), "bias", None) is not None:
                 keys.append(f"{base}.bias")
+        elif isinstance(module, ModulesToSaveWrapper):
+            keys.extend(f"{base}.{key}" for key in module.original_module.state_dict())
     return sorted(keys)
 
 
@@ -273,7 +277,8 @@ def _model_card(loaded: Loaded, config: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _write_release(loaded: Loaded, directory: Path, merge_lora: bool, full_weights: bool) -> None:
+def _write_release(loaded: Loaded, directory: Path, merge_lora: bool, full_weights: bool) -> nn.Module:
+    """Write the release of `loaded` into `directory`; returns the model it wrote (the LoRA merged, if asked)."""
     directory.mkdir(parents=True)
     model = loaded.model
     lora_mode = None
@@ -309,6 +314,12 @@ def _write_release(loaded: Loaded, directory: Path, merge_lora: bool, full_weigh
     }
     (directory / RELEASE_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     (directory / "README.md").write_text(_model_card(loaded, config))
+    return model
+
+
+def _half_precision(model: nn.Module) -> bool:
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    return dtype in (torch.bfloat16, torch.float16)
 
 
 def merge(source: str | os.PathLike, output: str | os.PathLike, *, base: str | None = None, merge_lora: bool = False,
@@ -319,7 +330,9 @@ def merge(source: str | os.PathLike, output: str | os.PathLike, *, base: str | N
 
     Atomic: everything is written to a hidden temporary folder beside `output` and renamed into place at
     the end; on any error nothing is left behind. With `verify`, the written release is loaded back and
-    must reproduce the source model's logits (fp32 tolerance 1e-4) before it is moved into place.
+    must reproduce the source model's logits (fp32 tolerance 1e-4) before it is moved into place. A LoRA merged
+    into bfloat16 / float16 weights rounds them: such a release must reproduce the merged weights, and what the
+    merge changed (`lora_merge_logit_change`, max over the sample logits) is recorded in its release_config.json.
     `prune_blocks` / `prune_target` write a pruned release instead (see `vlm_retrofit.pruning`): the blocks the
     static policy removes are deleted from the weights (LoRA merged, routers dropped), and verification
     compares with plain removal of those blocks from the unpruned model. A removal the adapter was not trained
@@ -347,7 +360,13 @@ def merge(source: str | os.PathLike, output: str | os.PathLike, *, base: str | N
         if pruning:
             write_pruned_release(loaded, model, staging, pruned)
         else:
-            _write_release(loaded, staging, merge_lora, full_weights)
+            written = _write_release(loaded, staging, merge_lora, full_weights)
+            if verify and loaded.lora and (merge_lora or full_weights) and _half_precision(written):
+                merged = real_logits(written, inputs)  # the routers are still attached
+                config = json.loads((staging / RELEASE_CONFIG).read_text())
+                config["lora_merge_logit_change"] = (merged - expected).abs().max().item()
+                (staging / RELEASE_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+                expected = merged
         if verify:
             if not pruning:
                 loaded.adapter.detach()  # the source's hooks would otherwise stay on a model we no longer use
@@ -394,5 +413,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
     print(f"release written to {path} ({size / 1024:.1f} KiB); verified: {not ns.no_verify}")
+    change = json.loads((path / RELEASE_CONFIG).read_text()).get("lora_merge_logit_change")
+    if change is not None:
+        print(f"merging the LoRA into half-precision weights changed the sample logits by up to {change:.3g} "
+              "(the release reproduces the merged weights)")
     print(f"load it with vlm_retrofit.load_release({str(path)!r}) or python -m vlm_retrofit generate --model {path}")
     return 0

@@ -55,6 +55,16 @@ def _import(path: str) -> Any:
     return getattr(importlib.import_module(module), attr)
 
 
+def _weights_to(model: nn.Module, dtype: torch.dtype) -> None:
+    """Cast `model` to `dtype` as `from_pretrained(dtype=...)` loads it: the buffers it does not save (rotary
+    frequencies, computed at init) stay fp32, so a tiny model in bf16 runs as a saved and reloaded one does."""
+    kept = [(module, name, buffer) for module in model.modules() for name, buffer in module._buffers.items()
+            if buffer is not None and buffer.is_floating_point() and name in module._non_persistent_buffers_set]
+    model.to(dtype)
+    for module, name, buffer in kept:
+        module._buffers[name] = buffer
+
+
 def load_backbone(name: str, *, trust_remote_code: bool = False, torch_dtype: str | None = None,
                   attn_implementation: str | None = None, model_class: str | None = None,
                   kwargs: dict[str, Any] | None = None, processor_from: str | None = None) -> tuple[nn.Module, Any]:
@@ -77,7 +87,7 @@ def load_backbone(name: str, *, trust_remote_code: bool = False, torch_dtype: st
 
         model, processor = tiny_vlm(name.split(":", 1)[1], **kwargs)
         if isinstance(dtype, torch.dtype):
-            model.to(dtype)
+            _weights_to(model, dtype)
         return model.eval(), processor
 
     import transformers

@@ -29,7 +29,8 @@ from .checkpoint import CHECKPOINT_KEY, check_checkpoint, checkpoint_metadata, r
 from .losses import (PENALTIES, compute_penalty, distillation_kl, drop_rate_at, hidden_state_distillation,
                      routing_entropies)
 from .optim import SCHEDULES, base_lr, build_optimizer, lr_lambda
-from .peft_layers import adapter_switches, adapters_disabled, autocast_lora_inputs, lora_addmm, lora_layers
+from .peft_layers import (adapter_switches, adapters_disabled, autocast_lora_inputs, copies_trained_in_fp32, lora_addmm,
+                          lora_layers)
 from .prefix import first_adapted_layer, head_rows_selected, layer_input_captured, layer_input_replaced
 
 log = logging.getLogger("vlm_retrofit.training")
@@ -303,6 +304,7 @@ class RetrofitModule(pl.LightningModule):
         self.model = model
         self._lora_layers = lora_layers(model)
         self._adapter_switches = adapter_switches(model)
+        copies_trained_in_fp32(self._adapter_switches)  # `modules_to_save` copies of a bf16 backbone train in fp32
         self.processor = processor
         self.adapter = attach_routers(model, router_cfg)
         if not train_routers:

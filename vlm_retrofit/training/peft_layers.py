@@ -32,6 +32,51 @@ def adapter_switches(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, (BaseTunerLayer, AuxiliaryTrainingWrapper))]
 
 
+def copies_trained_in_fp32(switches: list[nn.Module]) -> list[nn.Module]:
+    """Give each `modules_to_save` copy of a half-precision backbone fp32 weights, as PEFT gives its LoRA weights,
+    and its output back in the frozen weights' dtype; returns the copies changed.
+
+    PEFT copies such a module (a norm, the head) in the frozen weights' dtype. In bf16 an AdamW step of ~lr on a
+    norm gain near 1 is below half a unit in the last place (2^-8) for any lr under ~4e-3, so the copy's weights
+    would not move however long it trained. In fp32 it trains; a pre-hook hands it fp32 inputs (a bf16 input
+    cannot multiply fp32 weights outside autocast, e.g. in generation) and a hook casts its output back, so the
+    layers around it see the dtype they always did. Under autocast the copy's matmuls still run in bf16."""
+    try:
+        from peft.utils.other import ModulesToSaveWrapper
+    except ImportError:
+        return []
+    changed = []
+    for wrapper in switches:
+        if not isinstance(wrapper, ModulesToSaveWrapper):
+            continue
+        frozen = next((t.dtype for t in wrapper.original_module.parameters() if t.is_floating_point()), None)
+        if frozen not in (torch.bfloat16, torch.float16):
+            continue
+        for copy in wrapper.modules_to_save.values():
+            copy.float()
+            copy.register_forward_pre_hook(functools.partial(_floating_inputs_as, torch.float32), with_kwargs=True)
+            copy.register_forward_hook(functools.partial(_floating_output_as, frozen))
+            changed.append(copy)
+    return changed
+
+
+def _as_dtype(value: Any, dtype: torch.dtype) -> Any:
+    """`value` cast to `dtype` if it is a floating tensor (or a tuple / list of values), else as it is."""
+    if isinstance(value, Tensor):
+        return value.to(dtype) if value.is_floating_point() else value
+    if isinstance(value, (tuple, list)):
+        return type(value)(_as_dtype(v, dtype) for v in value)
+    return value
+
+
+def _floating_inputs_as(dtype: torch.dtype, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    return _as_dtype(args, dtype), {k: _as_dtype(v, dtype) for k, v in kwargs.items()}
+
+
+def _floating_output_as(dtype: torch.dtype, module: nn.Module, args: tuple, output: Any) -> Any:
+    return _as_dtype(output, dtype)
+
+
 @contextlib.contextmanager
 def adapters_disabled(model: nn.Module, switches: list[nn.Module]) -> Iterator[None]:
     """The PEFT `model` with its adapters off, as `model.disable_adapter()` has it for LoRA: every layer of
