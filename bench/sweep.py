@@ -340,7 +340,7 @@ def measure_adapter(bench: Bench, name: str, policy: str, adapter_dir: Path, tar
 
         target_model = PeftModel.from_pretrained(load_model(), lora_dir).merge_and_unload().eval()
         bench.model = target_model
-    adapter = RouterAdapter.from_pretrained(target_model, adapter_dir)
+    adapter = RouterAdapter.from_pretrained(target_model, adapter_dir, base=model)  # a merged LoRA may train norms
     replacement = load_replacements(adapter_dir)  # applied only where its layers are the ones removed
     bench.base_method = adapter.disabled  # merged LoRA stays in it: speed ratios compare skipping alone
     if overhead is not None and overhead["router_overhead"] is None and target_model is model:

@@ -4,7 +4,7 @@ import pytest
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 
-from vlm_retrofit import RouterAdapter, RouterConfig, attach_routers
+from vlm_retrofit import AdapterMismatchError, RouterAdapter, RouterConfig, attach_routers, get_adapter
 from vlm_retrofit.testing import FAMILIES, tiny_inputs, tiny_vlm
 
 # Text attention projections only: the vision towers of some families name theirs differently.
@@ -65,3 +65,30 @@ def test_lora_and_routers_in_either_order(family, tmp_path):
 
 def _logits_lora_only(family, inputs):
     return _logits(_lora(tiny_vlm(family)[0]), inputs)
+
+
+def test_merging_the_lora_keeps_the_routers_when_it_trained_the_final_norm(tmp_path):
+    # modules_to_save puts the trained copy of the final norm in place of its wrapper on merge: the final router's
+    # hook sat on that wrapper, and a plain merge_and_unload dropped it.
+    model, processor = tiny_vlm("llama")
+    torch.manual_seed(7)
+    model = get_peft_model(model, LoraConfig(**LORA, modules_to_save=["norm"]))
+    final_norm = model.base_model.model.model.norm
+    with torch.no_grad():
+        final_norm.modules_to_save["default"].weight.mul_(1.5)
+    adapter = attach_routers(model, RouterConfig())
+    _set_routers(adapter)
+    inputs = tiny_inputs(processor)
+    expected = _logits(model, inputs)
+    adapter.save_pretrained(tmp_path / "routers")
+    merged = adapter.merge_lora()
+    assert adapter.model is merged and get_adapter(merged) is adapter and not hasattr(merged, "peft_config")
+    torch.testing.assert_close(_logits(merged, inputs), expected, atol=1e-5, rtol=0)
+    adapter.detach()
+    assert (_logits(merged, inputs) - expected).abs().max() > 1e-3  # the final router matters here
+    # Saved routers load onto such a merged model only when checked against the base they were trained on.
+    with pytest.raises(AdapterMismatchError, match="final_norm"):
+        RouterAdapter.from_pretrained(merged, tmp_path / "routers")
+    restored = RouterAdapter.from_pretrained(merged, tmp_path / "routers", base=tiny_vlm("llama")[0])
+    torch.testing.assert_close(_logits(merged, inputs), expected, atol=1e-5, rtol=0)
+    assert restored.fingerprint == adapter.fingerprint

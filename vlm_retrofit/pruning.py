@@ -158,7 +158,7 @@ def prune_for_release(loaded: Loaded, blocks: list[int], inputs: dict[str, Any])
         hidden_size = int(adapter.spec.get_text_config(model).hidden_size)
         check_replacements(transforms, layers, fitted_for, hidden_size=hidden_size, source="the adapter")
     if loaded.lora:
-        model = model.merge_and_unload()  # the router hooks sit on layer instances and survive this
+        model = adapter.merge_lora()
     if loaded.replacement is not None:  # acts on the merged projection, as it did in training
         fold_replacements(model, adapter.spec, loaded.replacement[0])
     with adapter.skipping("static", blocks=blocks):

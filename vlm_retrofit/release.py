@@ -285,7 +285,7 @@ def _write_release(loaded: Loaded, directory: Path, merge_lora: bool, full_weigh
     if loaded.lora:
         if merge_lora or full_weights:
             changed = _lora_base_weight_keys(model)
-            model = model.merge_and_unload()  # the router hooks sit on layer instances and survive this
+            model = loaded.adapter.merge_lora()
             lora_mode = "merged"
             # The release loads as these merged weights: a LoRA on the head or the embeddings changed samples there.
             loaded.adapter.fingerprint = unchanged_fingerprint(loaded.adapter.fingerprint, model)

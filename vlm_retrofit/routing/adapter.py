@@ -133,6 +133,16 @@ class RouterAdapter(nn.Module):
         if model is not None and _ATTACHED.get(model) is self:
             del _ATTACHED[model]
 
+    def merge_lora(self) -> nn.Module:
+        """Merge the LoRA of the PEFT model this adapter is attached to (`merge_and_unload`) and attach the adapter
+        to the merged model it returns. The hooks move with it: the merge puts a LoRA's `modules_to_save` copies in
+        place of their wrappers, and a hook on the final norm's wrapper would otherwise be lost with it."""
+        model = self.model
+        self.detach()
+        merged = model.merge_and_unload()
+        self.__dict__["_model_ref"] = weakref.ref(merged)
+        return self._attach().model
+
     @contextlib.contextmanager
     def disabled(self) -> Iterator["RouterAdapter"]:
         """Run the exact base function inside the block (the distillation teacher)."""
@@ -342,12 +352,18 @@ class RouterAdapter(nn.Module):
         return directory
 
     @classmethod
-    def from_pretrained(cls, model: nn.Module, directory: str | os.PathLike, *, freeze_base: bool = True) -> "RouterAdapter":
-        """Attach the adapter saved in `directory` to `model`; a mismatched base is refused before any change."""
+    def from_pretrained(cls, model: nn.Module, directory: str | os.PathLike, *, freeze_base: bool = True,
+                        base: nn.Module | None = None) -> "RouterAdapter":
+        """Attach the adapter saved in `directory` to `model`; a mismatched base is refused before any change.
+        `base` (default `model`) is the model checked against the base the adapter was trained on: the unmerged
+        base when `model` has the adapter's LoRA merged in and it trained weights the check reads (norms, head)."""
         directory = Path(directory)
         saved = read_adapter_config(directory)
-        check_fingerprint(saved["base_fingerprint"], base_fingerprint(model), source=str(directory))
+        check_fingerprint(saved["base_fingerprint"], base_fingerprint(model if base is None else base),
+                          source=str(directory))
         adapter = cls(model, RouterConfig.from_dict(saved["router_config"]))
+        if base is not None:
+            adapter.fingerprint = base_fingerprint(base)
         state = load_file(str(directory / WEIGHTS_NAME))
         expected = adapter.state_dict()
         missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
