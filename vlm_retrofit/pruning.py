@@ -11,6 +11,7 @@ from typing import Any, Iterable, Iterator
 import torch
 from torch import nn
 
+from .backbones.loading import half_precision, weights_in_fp32
 from .backbones.registry import BackboneSpec, unwrap_model
 from .release import RELEASE_CONFIG, RELEASE_FORMAT, Loaded, real_logits
 from .replacement import check_replacements, fold_replacements
@@ -161,14 +162,17 @@ def prune_for_release(loaded: Loaded, blocks: list[int], inputs: dict[str, Any])
         model = adapter.merge_lora()
     if loaded.replacement is not None:  # acts on the merged projection, as it did in training
         fold_replacements(model, adapter.spec, loaded.replacement[0])
-    with adapter.skipping("static", blocks=blocks):
-        routed = real_logits(model, inputs)
     num_layers, spec, router_config = adapter.layout.num_layers, adapter.spec, adapter.config
-    adapter.detach()
-    identity = attach_routers(model, RouterConfig.from_dict(router_config.to_dict()))
-    with identity.skipping("static", blocks=blocks):
-        expected = real_logits(model, inputs)
-    identity.detach()
+    # The skip machinery sums the stream in fp32 and a plain model in its weights' dtype, so a half-precision
+    # model's reference is computed in fp32 on the same weights (and `merge` checks the release loaded in fp32).
+    with weights_in_fp32(model) if half_precision(model) else contextlib.nullcontext():
+        with adapter.skipping("static", blocks=blocks):
+            routed = real_logits(model, inputs)
+        adapter.detach()
+        identity = attach_routers(model, RouterConfig.from_dict(router_config.to_dict()))
+        with identity.skipping("static", blocks=blocks):
+            expected = real_logits(model, inputs)
+        identity.detach()
     trained_for = None if adapter.removal_range is None else untrained_removal(adapter, blocks) is None
     removed = prune_layers(model, spec, layers)
     routed_log, plain_log = torch.log_softmax(routed, -1), torch.log_softmax(expected, -1)

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from .backbones import base_fingerprint, unchanged_fingerprint, unwrap_model
-from .backbones.loading import RELEASE_CONFIG, load_backbone, load_processor
+from .backbones.loading import RELEASE_CONFIG, half_precision, load_backbone, load_processor
 from .files import staged_folder
 from .routing import AdapterMismatchError, RouterAdapter, RouterConfig, attach_routers, check_fingerprint
 from .replacement import load_replacements
@@ -131,11 +131,13 @@ def load_adapter_folder(path: str | os.PathLike, base: str | None = None, *, tru
     return Loaded(model.eval(), processor, adapter, base_model, lora, "adapter", load_replacements(path))
 
 
-def _load_release(directory: Path, trust_remote_code: bool = False) -> Loaded:
+def _load_release(directory: Path, trust_remote_code: bool = False, torch_dtype: str | None = None) -> Loaded:
     config = json.loads((directory / RELEASE_CONFIG).read_text())
     if config.get("format") != RELEASE_FORMAT:
         raise ValueError(f"{directory / RELEASE_CONFIG} is not a vlm_retrofit release")
     base_model = config["base_model"]
+    if torch_dtype is not None:
+        base_model = {**base_model, "torch_dtype": torch_dtype}
     if config.get("full_weights"):
         model, processor = load_backbone(str(directory / "model"), processor_from=str(directory / "processor"),
                                          **_load_kwargs({**base_model, "kwargs": None}, str(directory), trust_remote_code))
@@ -161,11 +163,13 @@ def _load_release(directory: Path, trust_remote_code: bool = False) -> Loaded:
     return Loaded(model.eval(), processor, adapter, base_model, config.get("lora"), "release")
 
 
-def load_release(directory: str | os.PathLike, *, trust_remote_code: bool = False) -> tuple[nn.Module, Any]:
+def load_release(directory: str | os.PathLike, *, trust_remote_code: bool = False,
+                 torch_dtype: str | None = None) -> tuple[nn.Module, Any]:
     """`(model, processor)` of a release folder; `vlm_retrofit.get_adapter(model)` gives its routers, e.g.
     `with get_adapter(model).skipping("recent_weight", target_saving=0.3): model.generate(...)`. A pruned
-    release is a plain model with fewer layers (no routers; `transformers` alone can load its `model/`)."""
-    loaded = _load_release(Path(directory), trust_remote_code)
+    release is a plain model with fewer layers (no routers; `transformers` alone can load its `model/`).
+    `torch_dtype` loads the weights in that dtype instead of the one the release records."""
+    loaded = _load_release(Path(directory), trust_remote_code, torch_dtype)
     return loaded.model, loaded.processor
 
 
@@ -317,11 +321,6 @@ def _write_release(loaded: Loaded, directory: Path, merge_lora: bool, full_weigh
     return model
 
 
-def _half_precision(model: nn.Module) -> bool:
-    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-    return dtype in (torch.bfloat16, torch.float16)
-
-
 def merge(source: str | os.PathLike, output: str | os.PathLike, *, base: str | None = None, merge_lora: bool = False,
           full_weights: bool = False, verify: bool = True, prune_blocks: list[int] | None = None,
           prune_target: float | None = None, allow_untrained_removal: bool = False,
@@ -335,7 +334,7 @@ def merge(source: str | os.PathLike, output: str | os.PathLike, *, base: str | N
     merge changed (`lora_merge_logit_change`, max over the sample logits) is recorded in its release_config.json.
     `prune_blocks` / `prune_target` write a pruned release instead (see `vlm_retrofit.pruning`): the blocks the
     static policy removes are deleted from the weights (LoRA merged, routers dropped), and verification
-    compares with plain removal of those blocks from the unpruned model. A removal the adapter was not trained
+    compares with plain removal of those blocks from the unpruned model (in fp32 for a half-precision model). A removal the adapter was not trained
     for is refused before any work unless `allow_untrained_removal` (`pruning.blocks_to_prune`).
     """
     output = Path(output)
@@ -361,7 +360,7 @@ def merge(source: str | os.PathLike, output: str | os.PathLike, *, base: str | N
             write_pruned_release(loaded, model, staging, pruned)
         else:
             written = _write_release(loaded, staging, merge_lora, full_weights)
-            if verify and loaded.lora and (merge_lora or full_weights) and _half_precision(written):
+            if verify and loaded.lora and (merge_lora or full_weights) and half_precision(written):
                 merged = real_logits(written, inputs)  # the routers are still attached
                 config = json.loads((staging / RELEASE_CONFIG).read_text())
                 config["lora_merge_logit_change"] = (merged - expected).abs().max().item()
@@ -370,7 +369,11 @@ def merge(source: str | os.PathLike, output: str | os.PathLike, *, base: str | N
         if verify:
             if not pruning:
                 loaded.adapter.detach()  # the source's hooks would otherwise stay on a model we no longer use
-            released, _ = load_release(staging, trust_remote_code=trust_remote_code)
+            # A pruned half-precision model is checked in fp32, where its reference was computed (see
+            # `prune_for_release`): the same weights, so the tolerance stays fp32's.
+            in_fp32 = pruning and half_precision(model)
+            released, _ = load_release(staging, trust_remote_code=trust_remote_code,
+                                       torch_dtype="float32" if in_fp32 else None)
             diff = (real_logits(released, inputs) - expected).abs().max().item()
             if not diff <= VERIFY_ATOL:
                 raise ReleaseVerificationError(f"the release does not reproduce {source}"

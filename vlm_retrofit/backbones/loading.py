@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -63,6 +64,38 @@ def _weights_to(model: nn.Module, dtype: torch.dtype) -> None:
     model.to(dtype)
     for module, name, buffer in kept:
         module._buffers[name] = buffer
+
+
+def half_precision(model: nn.Module) -> bool:
+    """Whether `model`'s weights are bfloat16 or float16 (its first floating parameter's dtype)."""
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    return dtype in (torch.bfloat16, torch.float16)
+
+
+@contextlib.contextmanager
+def weights_in_fp32(model: nn.Module) -> Iterator[nn.Module]:
+    """`model` with every floating parameter and buffer in fp32 within the context, each back in its own dtype
+    after (exact: fp32 holds every bf16 and fp16 value). Parameters stay the same objects."""
+    params: dict[int, tuple[nn.Parameter, torch.dtype]] = {}
+    buffers: list[tuple[dict, str, torch.dtype]] = []
+    for module in model.modules():
+        for param in module._parameters.values():
+            if param is not None and param.is_floating_point() and param.dtype != torch.float32:
+                params.setdefault(id(param), (param, param.dtype))
+        for name, buffer in module._buffers.items():
+            if buffer is not None and buffer.is_floating_point() and buffer.dtype != torch.float32:
+                buffers.append((module._buffers, name, buffer.dtype))
+    for param, _ in params.values():
+        param.data = param.data.float()
+    for store, name, _ in buffers:
+        store[name] = store[name].float()
+    try:
+        yield model
+    finally:
+        for param, dtype in params.values():
+            param.data = param.data.to(dtype)
+        for store, name, dtype in buffers:
+            store[name] = store[name].to(dtype)
 
 
 def load_backbone(name: str, *, trust_remote_code: bool = False, torch_dtype: str | None = None,
