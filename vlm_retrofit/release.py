@@ -334,8 +334,9 @@ def merge(source: str | os.PathLike, output: str | os.PathLike, *, base: str | N
     merge changed (`lora_merge_logit_change`, max over the sample logits) is recorded in its release_config.json.
     `prune_blocks` / `prune_target` write a pruned release instead (see `vlm_retrofit.pruning`): the blocks the
     static policy removes are deleted from the weights (LoRA merged, routers dropped), and verification
-    compares with plain removal of those blocks from the unpruned model (in fp32 for a half-precision model). A removal the adapter was not trained
-    for is refused before any work unless `allow_untrained_removal` (`pruning.blocks_to_prune`).
+    compares with plain removal of those blocks from the unpruned model (in fp32 for a half-precision model). A
+    removal the adapter was not trained for is refused before any work unless `allow_untrained_removal`
+    (`pruning.blocks_to_prune`).
     """
     output = Path(output)
     loaded = load_trained(source, base, trust_remote_code=trust_remote_code)

@@ -36,9 +36,9 @@ def copies_trained_in_fp32(switches: list[nn.Module]) -> list[nn.Module]:
     """Give each `modules_to_save` copy of a half-precision backbone fp32 weights, as PEFT gives its LoRA weights,
     and its output back in the frozen weights' dtype; returns the copies changed.
 
-    PEFT copies such a module (a norm, the head) in the frozen weights' dtype. In bf16 an AdamW step of ~lr on a
-    norm gain near 1 is below half a unit in the last place (2^-8) for any lr under ~4e-3, so the copy's weights
-    would not move however long it trained. In fp32 it trains; a pre-hook hands it fp32 inputs (a bf16 input
+    PEFT copies such a module (a norm, the head) in the frozen weights' dtype. bf16 stores a norm gain near 1 to
+    2^-8 below 1 and 2^-7 above, so an AdamW step of ~lr rounds away for any lr under ~2e-3 to 4e-3 and the copy's
+    weights would not move however long it trained. In fp32 it trains; a pre-hook hands it fp32 inputs (a bf16 input
     cannot multiply fp32 weights outside autocast, e.g. in generation) and a hook casts its output back, so the
     layers around it see the dtype they always did. Under autocast the copy's matmuls still run in bf16."""
     try:
