@@ -64,6 +64,10 @@ class Variant:
     span_order: bool = False
     """Static variants: remove the cheapest run of adjacent blocks at the speed target (`span_removal_order`),
     then greedy joint removal from it."""
+    removal_target: float | None = None
+    """Static variants with `fixed_removal`: train the removal of this target (its count of blocks) instead of the
+    speed target's, and measure the variant at this target only (its decode speed too): one adapter per operating
+    point. The target must be one of the run's `--targets`."""
     steps: int | None = None
     """The learning rate decays to a tenth (cosine; `min_lr_ratio`): over the wall-clock budget by default
     (`BudgetDecay`), over this many steps with `--decay-over steps` (the time budget as a cap); None = as many steps
@@ -132,6 +136,16 @@ VARIANTS = {
     "lora_mlp_span": Variant("lora_mlp_span", "static", {"block_size": 1},
                              {**ROUTED, "lora": LORA_ALL, "train_routers": False, "lora_b_lr_scale": 4.0},
                              fixed_removal=True, span_order=True, steps=240),
+    # The same recipe for the 10 and 30 % points, each trained for its own removal (the span order's first 3 / 9
+    # blocks) and measured there: by hand in the 20-minute budget, x1.028 at 10 % and x1.207 at 30 % (test, pruned)
+    # against x1.170 / x1.691 for `lora_mlp_span`'s 20 % adapter at those points (RESULTS.md, "One LoRA per
+    # operating point").
+    "lora_mlp_span_t10": Variant("lora_mlp_span_t10", "static", {"block_size": 1},
+                                 {**ROUTED, "lora": LORA_ALL, "train_routers": False, "lora_b_lr_scale": 4.0},
+                                 fixed_removal=True, span_order=True, steps=240, removal_target=0.1),
+    "lora_mlp_span_t30": Variant("lora_mlp_span_t30", "static", {"block_size": 1},
+                                 {**ROUTED, "lora": LORA_ALL, "train_routers": False, "lora_b_lr_scale": 4.0},
+                                 fixed_removal=True, span_order=True, steps=240, removal_target=0.3),
     # The same recipe trained on every removal count the targets take (3..9 layers of the span order for 10-30 %),
     # so that one LoRA serves every target. Probed with `bench.measure` (240 steps each, test text, one build): x1.035 /
     # x1.118 / x1.380 at 10 / 20 / 30 %, against x1.173 / x1.126 / x1.704 for the same recipe trained at 20 % only.
@@ -164,14 +178,21 @@ def selected_variants(names: list[str], train_steps: int | None = None) -> list[
 
 
 def removal_settings(variant: Variant, orders: dict[str, list[int]], max_removed_blocks: int,
-                     speed_removed_blocks: int, min_target_blocks: int = 0) -> dict[str, Any]:
+                     speed_removed_blocks: int, min_target_blocks: int = 0,
+                     target_blocks: dict[float, int] | None = None) -> dict[str, Any]:
     """What a static variant trains without: its removal order (`orders`: "impact", "joint", "span") and how
-    many of its blocks a step removes (empty for the other policies): the speed target's count (`fixed_removal`),
-    the smallest target's to the largest's (`elastic_removal`), else 0 to the largest target's."""
+    many of its blocks a step removes (empty for the other policies): the speed target's count (`fixed_removal`)
+    or its own target's (`removal_target`, counted in `target_blocks`: each target's blocks), the smallest target's
+    to the largest's (`elastic_removal`), else 0 to the largest target's."""
     if variant.policy != "static":
         return {}
     order = orders["span" if variant.span_order else "joint" if variant.joint_order else "impact"]
-    if variant.fixed_removal:
+    if variant.fixed_removal and variant.removal_target is not None:
+        if variant.removal_target not in (target_blocks or {}):
+            raise SystemExit(f"{variant.name} is trained and measured at target {variant.removal_target}, which this "
+                             f"run does not measure (--targets {' '.join(map(str, target_blocks or {}))}): add it")
+        fewest = most = target_blocks[variant.removal_target]
+    elif variant.fixed_removal:
         fewest = most = speed_removed_blocks
     else:
         fewest, most = (min_target_blocks if variant.elastic_removal else 0), max_removed_blocks
@@ -394,7 +415,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__)
     parser.add_argument("--variants", nargs="*",
                         default=["routed_static", "routed_static_lora_mlp_joint", "lora_mlp_joint_plain", "lora_mlp_span",
-                                 "lora_mlp_span_elastic", "gate", "gate_b3", "gate_b3_candidates", "recent_weight"],
+                                 "lora_mlp_span_t10", "lora_mlp_span_t30", "lora_mlp_span_elastic", "gate", "gate_b3",
+                                 "gate_b3_candidates", "recent_weight"],
                         choices=sorted(VARIANTS),
                         help="adapters to train (or reuse) and measure; none (`--variants` alone): the base and the "
                              "training-free baselines only")
@@ -490,8 +512,9 @@ def main(argv: list[str] | None = None) -> int:
                                     runs, log, key=key)
     variants = selected_variants(args.variants, args.train_steps)
     orders = {"impact": removal_order, "joint": joint_order, "span": span_order}
-    removals = {v.name: removal_settings(v, orders, max_removed_blocks, speed_removed_blocks, min_target_blocks)
-                for v in variants}
+    target_blocks = {target: removed_blocks(target) for target in args.targets}
+    removals = {v.name: removal_settings(v, orders, max_removed_blocks, speed_removed_blocks, min_target_blocks,
+                                         target_blocks) for v in variants}
     decay_over = "steps" if args.train_steps else args.decay_over
     stale = stale_runs(variants, runs, {v.name: training_key(v, removals[v.name], decay_over) for v in variants})
     if stale:  # refused before any work: reusing them would mislabel rows

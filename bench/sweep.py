@@ -308,13 +308,16 @@ def sweep(bench: Bench, targets: list[float], variants: list, speed_target: floa
           joint_order: list[int], load_model: Callable[[], Any], runs: Path, log: Callable[[str], None], *,
           baseline_key: dict[str, Any] | None = None, reuse_baselines: bool = False, span_order: list[int] | None = None
           ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """Every method at every target, one record each; plus the router overhead with skipping off
+    """Every method at every target, one record each (a variant trained for one target, `removal_target`, at that
+    target only, its decode speed measured there); plus the router overhead with skipping off
     (`router_overhead`: wall-clock ratio to the base; `router_time_share`: routing's share of a routed decode)."""
     records: list[dict[str, Any]] = []
     overhead: dict[str, Any] = {"router_overhead": None, "router_time_share": None}
     for variant in variants:
-        records += measure_adapter(bench, variant.name, variant.policy, runs / variant.name / "adapter", targets,
-                                   speed_target, removal_order, load_model, log, overhead=overhead)
+        own = getattr(variant, "removal_target", None)  # one adapter per operating point: measured at its own
+        records += measure_adapter(bench, variant.name, variant.policy, runs / variant.name / "adapter",
+                                   targets if own is None else [own], speed_target if own is None else own,
+                                   removal_order, load_model, log, overhead=overhead)
     records += measure_baselines(bench, targets, speed_target, removal_order, joint_order, log, cache=runs / "baselines.json",
                                  key=baseline_key or {}, reuse=reuse_baselines, span_order=span_order)
     return records, overhead

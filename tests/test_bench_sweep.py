@@ -340,6 +340,30 @@ def test_adapters_trained_otherwise_are_found_before_any_work(tmp_path):
                                                                               "lora_mlp_span"]
 
 
+def test_one_adapter_per_operating_point_trains_and_is_measured_at_its_own_target(monkeypatch):
+    import bench.sweep
+    from bench.run import removal_settings
+
+    orders = {"impact": [1, 2, 3], "joint": [3, 1, 2], "span": [2, 3, 1]}
+    counts = {0.1: 1, 0.2: 2, 0.3: 3}
+    t10, t30 = VARIANTS["lora_mlp_span_t10"], VARIANTS["lora_mlp_span_t30"]
+    assert removal_settings(t10, orders, 3, 2, 1, counts) == {"removal_order": [2, 3, 1], "max_removed_blocks": 1,
+                                                              "min_removed_blocks": 1}
+    assert removal_settings(t30, orders, 3, 2, 1, counts)["min_removed_blocks"] == 3
+    assert removal_settings(VARIANTS["lora_mlp_span"], orders, 3, 2, 1, counts)["max_removed_blocks"] == 2
+    with pytest.raises(SystemExit, match="lora_mlp_span_t30.*0.3"):  # refused before any training
+        removal_settings(t30, orders, 2, 2, 1, {0.1: 1, 0.2: 2})
+    measured = []
+    monkeypatch.setattr(bench.sweep, "measure_adapter",
+                        lambda bench_, name, policy, adapter_dir, targets, speed_target, *a, **k:
+                        measured.append((name, targets, speed_target)) or [])
+    monkeypatch.setattr(bench.sweep, "measure_baselines", lambda *a, **k: [])
+    bench.sweep.sweep(None, [0.1, 0.2, 0.3], [VARIANTS["lora_mlp_span"], t10, t30], 0.2, [1, 2, 3], [3, 1, 2],
+                      lambda: None, Path("runs"), lambda message: None)
+    assert measured == [("lora_mlp_span", [0.1, 0.2, 0.3], 0.2), ("lora_mlp_span_t10", [0.1], 0.1),
+                        ("lora_mlp_span_t30", [0.3], 0.3)]
+
+
 def test_routing_time_accumulates_over_forwards_and_leaves_the_adapter_as_it_was():
     model, tokenizer = tiny_vlm("llama", num_hidden_layers=4)
     adapter = attach_routers(model, RouterConfig(block_size=1))
