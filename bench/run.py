@@ -137,8 +137,8 @@ VARIANTS = {
                              {**ROUTED, "lora": LORA_ALL, "train_routers": False, "lora_b_lr_scale": 4.0},
                              fixed_removal=True, span_order=True, steps=240),
     # The same recipe for the 10 and 30 % points, each trained for its own removal (the span order's first 3 / 9
-    # blocks) and measured there: by hand in the 20-minute budget, x1.028 at 10 % and x1.207 at 30 % (test, pruned)
-    # against x1.170 / x1.691 for `lora_mlp_span`'s 20 % adapter at those points (RESULTS.md, "One LoRA per
+    # blocks) and measured there: by hand in the 20-minute budget, x1.028 at 10 % and x1.175-1.207 at 30 % (test,
+    # pruned) against x1.170 / x1.691 for `lora_mlp_span`'s 20 % adapter at those points (RESULTS.md, "One LoRA per
     # operating point").
     "lora_mlp_span_t10": Variant("lora_mlp_span_t10", "static", {"block_size": 1},
                                  {**ROUTED, "lora": LORA_ALL, "train_routers": False, "lora_b_lr_scale": 4.0},
