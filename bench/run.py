@@ -81,6 +81,8 @@ ROUTED = {**TEXT_KL, "use_gates": False, "max_drop_rate": 0.0, "lr": 2e-3}
 LORA_QVO = {"r": 8, "lora_alpha": 16, "target_modules": r".*language_model.*\.(q_proj|v_proj|o_proj)"}
 LORA_ALL = {"r": 16, "lora_alpha": 32,
             "target_modules": r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"}
+# LoRA healing of a static removal: LoRA+ on every projection, routers off (identity).
+LORA_HEALING = {**ROUTED, "lora": LORA_ALL, "train_routers": False, "lora_b_lr_scale": 4.0}
 # Learned per-token gates pulled to a compute target, trained as they are measured: image positions run every block
 # (`sweep.SKIP_IMAGE_POSITIONS`). A/B on `gate_b3_candidates` (240 steps each, seed 0, test; RESULTS.md, "Per-token
 # gates trained with image positions kept"): caption agreement 0.730 / 0.520 / 0.486 at 10 / 20 / 30 % against
@@ -117,8 +119,7 @@ VARIANTS = {
     # steps: batches of 2 for 400 steps (800 samples) healed as much as batches of 4 for 215 (860).
     # LoRA+ B matrices at 4x the rate (adopted after the eleventh run: val perplexity x1.116 against x1.155 at 20 %
     # over the same 240 steps; ratio 8 was worse).
-    "lora_mlp_joint_plain": Variant("lora_mlp_joint_plain", "static", {"block_size": 1},
-                                    {**ROUTED, "lora": LORA_ALL, "train_routers": False, "lora_b_lr_scale": 4.0},
+    "lora_mlp_joint_plain": Variant("lora_mlp_joint_plain", "static", {"block_size": 1}, LORA_HEALING,
                                     fixed_removal=True, joint_order=True, steps=240),
     # The same healing started from a linear replacement of the removed layers (`replace_removed`): each removed
     # span replaced by a least-squares map on the MLP output of the layer in front of it, fitted on 32 training
@@ -127,30 +128,25 @@ VARIANTS = {
     # perplexity, but 240 steps of LoRA from it ended worse than from plain removal (val x1.157 against x1.116 with
     # 32 fit batches; x1.190 at lr 5e-4; x1.155 with 64 batches): not in the default list (RESULTS.md, probes).
     "lora_mlp_joint_replaced": Variant("lora_mlp_joint_replaced", "static", {"block_size": 1},
-                                       {**ROUTED, "lora": LORA_ALL, "train_routers": False, "lora_b_lr_scale": 4.0,
-                                        "replace_removed": True, "replacement_batches": 32},
+                                       {**LORA_HEALING, "replace_removed": True, "replacement_batches": 32},
                                        fixed_removal=True, joint_order=True, steps=225),
     # The shipped recipe on the cheapest span of adjacent layers instead of the greedy joint picks: by hand on val,
     # layers 13-18 healed to x1.081 against x1.116 for the joint picks {13, 14, 16, 17, 18, 26} in the same 240 steps
     # (test x1.129 against x1.148); their plain removal x1.598 against x1.804.
-    "lora_mlp_span": Variant("lora_mlp_span", "static", {"block_size": 1},
-                             {**ROUTED, "lora": LORA_ALL, "train_routers": False, "lora_b_lr_scale": 4.0},
+    "lora_mlp_span": Variant("lora_mlp_span", "static", {"block_size": 1}, LORA_HEALING,
                              fixed_removal=True, span_order=True, steps=240),
     # The same recipe for the 10 and 30 % points, each trained for its own removal (the span order's first 3 / 9
     # blocks) and measured there: by hand in the 20-minute budget, x1.028 at 10 % and x1.175-1.207 at 30 % (test,
     # pruned) against x1.170 / x1.691 for `lora_mlp_span`'s 20 % adapter at those points (RESULTS.md, "One LoRA per
     # operating point").
-    "lora_mlp_span_t10": Variant("lora_mlp_span_t10", "static", {"block_size": 1},
-                                 {**ROUTED, "lora": LORA_ALL, "train_routers": False, "lora_b_lr_scale": 4.0},
+    "lora_mlp_span_t10": Variant("lora_mlp_span_t10", "static", {"block_size": 1}, LORA_HEALING,
                                  fixed_removal=True, span_order=True, steps=240, removal_target=0.1),
-    "lora_mlp_span_t30": Variant("lora_mlp_span_t30", "static", {"block_size": 1},
-                                 {**ROUTED, "lora": LORA_ALL, "train_routers": False, "lora_b_lr_scale": 4.0},
+    "lora_mlp_span_t30": Variant("lora_mlp_span_t30", "static", {"block_size": 1}, LORA_HEALING,
                                  fixed_removal=True, span_order=True, steps=240, removal_target=0.3),
     # The same recipe trained on every removal count the targets take (3..9 layers of the span order for 10-30 %),
     # so that one LoRA serves every target. Probed with `bench.measure` (240 steps each, test text, one build): x1.035 /
     # x1.118 / x1.380 at 10 / 20 / 30 %, against x1.173 / x1.126 / x1.704 for the same recipe trained at 20 % only.
-    "lora_mlp_span_elastic": Variant("lora_mlp_span_elastic", "static", {"block_size": 1},
-                                     {**ROUTED, "lora": LORA_ALL, "train_routers": False, "lora_b_lr_scale": 4.0},
+    "lora_mlp_span_elastic": Variant("lora_mlp_span_elastic", "static", {"block_size": 1}, LORA_HEALING,
                                      elastic_removal=True, span_order=True, steps=240),
     # Per-token policies: learned gates pulled to a compute target, and the ReSkip recent-weight rule under a
     # drop-rate curriculum; same query lr and KL positions as the routed variants.

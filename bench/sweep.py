@@ -314,7 +314,7 @@ def sweep(bench: Bench, targets: list[float], variants: list, speed_target: floa
     records: list[dict[str, Any]] = []
     overhead: dict[str, Any] = {"router_overhead": None, "router_time_share": None}
     for variant in variants:
-        own = getattr(variant, "removal_target", None)  # one adapter per operating point: measured at its own
+        own = variant.removal_target  # one adapter per operating point: measured at its own target only
         records += measure_adapter(bench, variant.name, variant.policy, runs / variant.name / "adapter",
                                    targets if own is None else [own], speed_target if own is None else own,
                                    removal_order, load_model, log, overhead=overhead)

@@ -66,10 +66,14 @@ def _weights_to(model: nn.Module, dtype: torch.dtype) -> None:
         module._buffers[name] = buffer
 
 
+def floating_dtype(model: nn.Module) -> torch.dtype | None:
+    """The dtype of `model`'s first floating parameter (None without one)."""
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+
+
 def half_precision(model: nn.Module) -> bool:
-    """Whether `model`'s weights are bfloat16 or float16 (its first floating parameter's dtype)."""
-    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-    return dtype in (torch.bfloat16, torch.float16)
+    """Whether `model`'s weights are bfloat16 or float16 (`floating_dtype`)."""
+    return floating_dtype(model) in (torch.bfloat16, torch.float16)
 
 
 @contextlib.contextmanager

@@ -359,11 +359,10 @@ class RouterAdapter(nn.Module):
         base when `model` has the adapter's LoRA merged in and it trained weights the check reads (norms, head)."""
         directory = Path(directory)
         saved = read_adapter_config(directory)
-        check_fingerprint(saved["base_fingerprint"], base_fingerprint(model if base is None else base),
-                          source=str(directory))
+        fingerprint = base_fingerprint(model if base is None else base)
+        check_fingerprint(saved["base_fingerprint"], fingerprint, source=str(directory))
         adapter = cls(model, RouterConfig.from_dict(saved["router_config"]))
-        if base is not None:
-            adapter.fingerprint = base_fingerprint(base)
+        adapter.fingerprint = fingerprint  # the unmerged base's where `base` is given
         state = load_file(str(directory / WEIGHTS_NAME))
         expected = adapter.state_dict()
         missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))

@@ -11,6 +11,8 @@ from typing import Any, Iterator
 import torch
 from torch import Tensor, nn
 
+from ..backbones.loading import floating_dtype, half_precision
+
 
 def lora_layers(model: nn.Module) -> list[nn.Module]:
     """PEFT tuner layers of `model` (empty without peft or without a LoRA)."""
@@ -49,9 +51,9 @@ def copies_trained_in_fp32(switches: list[nn.Module]) -> list[nn.Module]:
     for wrapper in switches:
         if not isinstance(wrapper, ModulesToSaveWrapper):
             continue
-        frozen = next((t.dtype for t in wrapper.original_module.parameters() if t.is_floating_point()), None)
-        if frozen not in (torch.bfloat16, torch.float16):
+        if not half_precision(wrapper.original_module):
             continue
+        frozen = floating_dtype(wrapper.original_module)
         for copy in wrapper.modules_to_save.values():
             copy.float()
             copy.register_forward_pre_hook(functools.partial(_floating_inputs_as, torch.float32), with_kwargs=True)
