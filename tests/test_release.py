@@ -89,7 +89,8 @@ def test_a_lora_merged_into_bf16_weights_reproduces_the_merged_weights_and_recor
     assert main(["merge", "--ckpt", str(trained_bf16), "--output", str(tmp_path / "merged"), "--merge-lora"]) == 0
     assert "changed the sample logits by up to" in capsys.readouterr().out
     merge(trained_bf16, tmp_path / "full", full_weights=True)
-    change = json.loads((tmp_path / "merged" / "release_config.json").read_text())["lora_merge_logit_change"]
+    recorded = json.loads((tmp_path / "merged" / "release_config.json").read_text())
+    change = recorded["lora_merge_logit_change"]
     assert 0 < change < 0.1  # bf16 rounding of the merged weights, not a lost adapter
     assert "lora_merge_logit_change" not in json.loads((tmp_path / "lora" / "release_config.json").read_text())
     unmerged, processor = load_release(tmp_path / "lora")
@@ -98,6 +99,9 @@ def test_a_lora_merged_into_bf16_weights_reproduces_the_merged_weights_and_recor
     inputs = tiny_inputs(processor)
     torch.testing.assert_close(_logits(full, inputs), _logits(merged, inputs), atol=0, rtol=0)
     assert (_logits(merged, inputs).float() - _logits(unmerged, inputs).float()).abs().max() <= change + 1e-6
+    mask = inputs["attention_mask"].bool()
+    kept = (_logits(merged, inputs)[mask].argmax(-1) == _logits(unmerged, inputs)[mask].argmax(-1)).float().mean()
+    assert recorded["lora_merge_top1_agreement"] == pytest.approx(kept.item())
     # The trained norms are part of the merged weights (the LoRA layers' weights alone would drop them).
     trained_norm = unmerged.base_model.model.model.language_model.layers[0].input_layernorm
     shipped_norm = merged.model.language_model.layers[0].input_layernorm
@@ -113,6 +117,57 @@ def test_a_pruned_bf16_release_is_verified_in_fp32_on_its_own_weights(trained_bf
     as_fp32, _ = load_release(tmp_path / "pruned", torch_dtype="float32")
     assert pruned.dtype == torch.bfloat16 and as_fp32.dtype == torch.float32
     assert pruned.config.text_config.num_hidden_layers == 4  # the config's 6, less block 1's two layers
+
+
+def _prompt_token_ids(processor, count=4):
+    """Text token ids the merge's sample inputs contain (not padding, not the image placeholder)."""
+    inputs = tiny_inputs(processor)
+    skip = {processor.tokenizer.pad_token_id, processor.tokenizer.convert_tokens_to_ids(processor.image_token)}
+    ids = [i for i in dict.fromkeys(inputs["input_ids"][inputs["attention_mask"].bool()].tolist()) if i not in skip]
+    return ids[:count]
+
+
+@pytest.mark.parametrize("beside, tied", [("modules_to_save", True), ("trainable_tokens", False),
+                                          ("trainable_tokens", True)],
+                         ids=["tied-head-copy", "token-rows", "token-rows-of-a-tied-head"])
+def test_what_peft_trains_beside_the_lora_ships_in_a_merged_release(tmp_path, beside, tied):
+    # Before: a trained head copy merged into a tied base was written into the embeddings too (refused as
+    # another base), and trained token rows were left out of merged_lora.safetensors (lost, or refused where
+    # the head shares them).
+    from vlm_retrofit.testing import tiny_vlm
+
+    base, processor = tiny_vlm("llava", num_hidden_layers=6, tie_word_embeddings=tied)
+    assert (base.lm_head.weight is base.get_input_embeddings().weight) == tied
+    lora = {"r": 4, "lora_alpha": 8, "target_modules": r".*language_model.*\.(q_proj|v_proj)"}
+    lora.update({"modules_to_save": ["lm_head"]} if beside == "modules_to_save"
+                else {"trainable_token_indices": _prompt_token_ids(processor)})
+    fit_config(tmp_path, "tiny-llava-lora.yaml", "--trainer.max_steps", "3", "--model.lora", json.dumps(lora),
+               "--model.backbone_kwargs", json.dumps({"num_hidden_layers": 6, "tie_word_embeddings": tied}))
+    checkpoint = tmp_path / "runs" / "tiny-llava-lora" / "checkpoints" / "last.ckpt"
+    source = load_checkpoint(checkpoint)
+    inputs = tiny_inputs(processor)
+    expected = _logits(source.model, inputs)
+    trained_embeddings = source.model.get_input_embeddings()(torch.arange(len(processor.tokenizer))).detach()
+    trained_head = source.model.get_output_embeddings()
+    trained_head = trained_head.modules_to_save["default"] if beside == "modules_to_save" else trained_head
+    trained_head_weight = trained_head(torch.eye(64)).detach().T  # the head's weight, however PEFT wraps it
+    changed = (trained_embeddings != base.get_input_embeddings().weight).any(-1) | \
+        (trained_head_weight != base.lm_head.weight).any(-1)
+    assert changed.any()  # training moved what PEFT trains beside the LoRA
+
+    merge(checkpoint, tmp_path / "merged", merge_lora=True)
+    merge(checkpoint, tmp_path / "full", full_weights=True)
+    merge(checkpoint, tmp_path / "pruned", prune_blocks=[1], allow_untrained_removal=True)
+    for folder in ("merged", "full", "pruned"):
+        model, _ = load_release(tmp_path / folder)
+        if folder != "pruned":
+            torch.testing.assert_close(_logits(model, inputs), expected, atol=1e-5, rtol=0)
+        torch.testing.assert_close(model.get_input_embeddings().weight, trained_embeddings, atol=0, rtol=0)
+        torch.testing.assert_close(model.lm_head.weight, trained_head_weight, atol=1e-6, rtol=0)
+        # One tensor again only where training kept them one (trainable rows of a tied head train both).
+        assert (model.lm_head.weight is model.get_input_embeddings().weight) == (tied and beside != "modules_to_save")
+    saved = json.loads((tmp_path / "full" / "model" / "config.json").read_text())
+    assert saved["text_config"].get("tie_word_embeddings", False) == (tied and beside != "modules_to_save")
 
 
 def test_merge_is_idempotent_byte_for_byte(trained, tmp_path):

@@ -13,7 +13,7 @@ from torch import nn
 
 from .backbones.loading import half_precision, weights_in_fp32
 from .backbones.registry import BackboneSpec, unwrap_model
-from .release import RELEASE_CONFIG, RELEASE_FORMAT, Loaded, real_logits
+from .release import RELEASE_CONFIG, RELEASE_FORMAT, Loaded, real_logits, save_full_weights
 from .replacement import check_replacements, fold_replacements
 from .routing import RouterAdapter, RouterConfig, attach_routers
 from .skipping.calibrate import static_prefix, untrained_removal
@@ -193,7 +193,7 @@ def prune_for_release(loaded: Loaded, blocks: list[int], inputs: dict[str, Any])
 
 def write_pruned_release(loaded: Loaded, model: nn.Module, directory: Path, pruned: dict[str, Any]) -> None:
     directory.mkdir(parents=True)
-    unwrap_model(model).save_pretrained(directory / "model", safe_serialization=True)
+    save_full_weights(model, directory / "model")
     loaded.processor.save_pretrained(directory / "processor")
     base_model = dict(loaded.base_model)
     base_model["attn_implementation"] = base_model.get("attn_implementation") or unwrap_model(model).config._attn_implementation

@@ -15,6 +15,7 @@ from torch import nn
 
 from .backbones import base_fingerprint, unchanged_fingerprint, unwrap_model
 from .backbones.loading import RELEASE_CONFIG, half_precision, load_backbone, load_processor
+from .backbones.tied import record_untied_embeddings, untie, with_tied_partners
 from .files import staged_folder
 from .routing import AdapterMismatchError, RouterAdapter, RouterConfig, attach_routers, check_fingerprint
 from .replacement import load_replacements
@@ -153,6 +154,7 @@ def _load_release(directory: Path, trust_remote_code: bool = False, torch_dtype:
         unknown = sorted(k for k in merged if k not in own or own[k].shape != merged[k].shape)
         if unknown:
             raise AdapterMismatchError(f"{directory / MERGED_LORA} holds tensors the base does not have: {unknown[:5]}")
+        untie(model, merged)  # a trained head stays apart from the base's embeddings it was tied to
         model.load_state_dict(merged, strict=False)
     if (directory / "lora").is_dir():
         from peft import PeftModel
@@ -203,9 +205,10 @@ def load_trained(path: str | os.PathLike, base: str | None = None, *, trust_remo
 # -- merging --------------------------------------------------------------------------------------------
 def _lora_base_weight_keys(peft_model: nn.Module) -> list[str]:
     """State-dict keys (after merge_and_unload) of the weights a LoRA changes: those of its adapted layers and of
-    its `modules_to_save` copies (trained norms or heads, which the merge puts in place of the originals)."""
+    the modules PEFT trains beside it (`modules_to_save` copies of norms or heads, which the merge puts in place of
+    the originals, and `trainable_token_indices` rows, which it writes into the embeddings)."""
     from peft.tuners.lora import LoraLayer
-    from peft.utils.other import ModulesToSaveWrapper
+    from peft.utils.other import AuxiliaryTrainingWrapper
 
     prefix = "base_model.model."
     keys = []
@@ -215,7 +218,7 @@ def _lora_base_weight_keys(peft_model: nn.Module) -> list[str]:
             keys.append(f"{base}.weight")
             if getattr(module.get_base_layer(), "bias", None) is not None:
                 keys.append(f"{base}.bias")
-        elif isinstance(module, ModulesToSaveWrapper):
+        elif isinstance(module, AuxiliaryTrainingWrapper):
             keys.extend(f"{base}.{key}" for key in module.original_module.state_dict())
     return sorted(keys)
 
@@ -281,6 +284,13 @@ def _model_card(loaded: Loaded, config: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def save_full_weights(model: nn.Module, folder: Path) -> None:
+    """`model`'s complete weights and config in `folder` (safetensors), loadable by `transformers` alone."""
+    plain = unwrap_model(model)
+    record_untied_embeddings(plain)  # a merged head of its own must not load tied to the embeddings again
+    plain.save_pretrained(folder, safe_serialization=True)
+
+
 def _write_release(loaded: Loaded, directory: Path, merge_lora: bool, full_weights: bool) -> nn.Module:
     """Write the release of `loaded` into `directory`; returns the model it wrote (the LoRA merged, if asked)."""
     directory.mkdir(parents=True)
@@ -290,18 +300,21 @@ def _write_release(loaded: Loaded, directory: Path, merge_lora: bool, full_weigh
         if merge_lora or full_weights:
             changed = _lora_base_weight_keys(model)
             model = loaded.adapter.merge_lora()
+            changed = with_tied_partners(model, changed)  # trained token rows of a tied head are in both
             lora_mode = "merged"
             # The release loads as these merged weights: a LoRA on the head or the embeddings changed samples there.
             loaded.adapter.fingerprint = unchanged_fingerprint(loaded.adapter.fingerprint, model)
             if not full_weights:
                 state = model.state_dict()
-                save_file({k: state[k].detach().cpu().contiguous() for k in changed}, str(directory / MERGED_LORA),
+                # Copies: safetensors refuses two names of one tensor (tied weights).
+                save_file({k: state[k].detach().to("cpu", copy=True).contiguous() for k in changed},
+                          str(directory / MERGED_LORA),
                           metadata={"format": "pt"})
         else:
             model.save_pretrained(directory / "lora")
             lora_mode = "adapter"
     if full_weights:
-        unwrap_model(model).save_pretrained(directory / "model", safe_serialization=True)
+        save_full_weights(model, directory / "model")
     loaded.adapter.save_pretrained(directory / "router")
     loaded.processor.save_pretrained(directory / "processor")
     base_model = dict(loaded.base_model)
@@ -331,7 +344,8 @@ def merge(source: str | os.PathLike, output: str | os.PathLike, *, base: str | N
     the end; on any error nothing is left behind. With `verify`, the written release is loaded back and
     must reproduce the source model's logits (fp32 tolerance 1e-4) before it is moved into place. A LoRA merged
     into bfloat16 / float16 weights rounds them: such a release must reproduce the merged weights, and what the
-    merge changed (`lora_merge_logit_change`, max over the sample logits) is recorded in its release_config.json.
+    merge changed (`lora_merge_logit_change`, max over the sample logits, and `lora_merge_top1_agreement`, the share
+    of sample positions whose greedy token it kept) is recorded in its release_config.json.
     `prune_blocks` / `prune_target` write a pruned release instead (see `vlm_retrofit.pruning`): the blocks the
     static policy removes are deleted from the weights (LoRA merged, routers dropped), and verification
     compares with plain removal of those blocks from the unpruned model (in fp32 for a half-precision model). A
@@ -365,6 +379,9 @@ def merge(source: str | os.PathLike, output: str | os.PathLike, *, base: str | N
                 merged = real_logits(written, inputs)  # the routers are still attached
                 config = json.loads((staging / RELEASE_CONFIG).read_text())
                 config["lora_merge_logit_change"] = (merged - expected).abs().max().item()
+                # The max is one logit of one position; the share of positions whose greedy token stayed says
+                # whether the rounding changes what the model writes.
+                config["lora_merge_top1_agreement"] = (merged.argmax(-1) == expected.argmax(-1)).float().mean().item()
                 (staging / RELEASE_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
                 expected = merged
         if verify:
@@ -417,9 +434,11 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
     print(f"release written to {path} ({size / 1024:.1f} KiB); verified: {not ns.no_verify}")
-    change = json.loads((path / RELEASE_CONFIG).read_text()).get("lora_merge_logit_change")
-    if change is not None:
-        print(f"merging the LoRA into half-precision weights changed the sample logits by up to {change:.3g} "
+    config = json.loads((path / RELEASE_CONFIG).read_text())
+    if "lora_merge_logit_change" in config:
+        print(f"merging the LoRA into half-precision weights changed the sample logits by up to "
+              f"{config['lora_merge_logit_change']:.3g} and kept the greedy token at "
+              f"{100 * config['lora_merge_top1_agreement']:.1f} % of the sample positions "
               "(the release reproduces the merged weights)")
     print(f"load it with vlm_retrofit.load_release({str(path)!r}) or python -m vlm_retrofit generate --model {path}")
     return 0
