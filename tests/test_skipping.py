@@ -433,6 +433,23 @@ def test_random_skipping_decides_every_occurrence_of_a_token_on_its_own():
     assert 0.3 < (masks[1] != masks[2]).float().mean() < 0.55
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2_vl", "idefics3"])
+def test_random_skipping_generates_a_row_alike_alone_and_left_padded_in_a_batch(family):
+    # Before: the hash took the position counted with the padding (and image features' low bits, which a batched
+    # vision tower moves), so a row's decisions, and its answer, changed with what it was batched with.
+    model, processor, adapter = _model(family, layers=6)
+    batch, alone = tiny_inputs(processor, batch=2), tiny_inputs(processor, batch=1)
+    real = batch["attention_mask"][0].bool()
+    assert not real.all() and torch.equal(batch["input_ids"][0, real], alone["input_ids"][0])  # row 0, left-padded
+    generated = []
+    for inputs in (batch, alone):
+        with torch.no_grad(), adapter.skipping("random", rate=0.4) as report:
+            out = model.generate(**inputs, max_new_tokens=8, min_new_tokens=8, do_sample=False)
+        generated.append(out[0, inputs["input_ids"].shape[1]:])
+        assert 0.2 < report.skipped_text_layer_fraction < 0.6
+    assert torch.equal(generated[0], generated[1])
+
+
 def test_random_skipping_decides_each_block_by_its_own_hash():
     """Every block's decisions, computed together once per forward, are the per-block hash of the token's hash
     (the recorded random baselines depend on them)."""

@@ -261,6 +261,19 @@ class StreamState:
     """Bool [B, T]: False at padding positions, when a skip context knows the attention mask."""
     context_length: int = 0
     """Tokens the KV cache held when this forward began (0 in prefill or without a cache)."""
+    attention_mask: Tensor | None = None
+    """[B, context_length + T]: the top model's 2-D attention mask over the cache and this forward's tokens, when a
+    skip context knows it (None: no padding anywhere)."""
+
+    def sequence_positions(self) -> Tensor:
+        """Long [B, T]: each token's position in its own sequence, padding not counted (left padding shifts a
+        row's positions in the batch; these stay those of the row alone). -1 at leading padding."""
+        tokens = self.stack.shape[1]
+        mask = self.attention_mask
+        if mask is None:
+            return torch.arange(self.context_length, self.context_length + tokens,
+                                device=self.stack.device).expand(self.stack.shape[0], tokens)
+        return mask.long().cumsum(-1)[:, -tokens:] - 1
 
     def alpha(self, key: str) -> Tensor:
         """Router `key`'s weights [K, B, T] over the stored sources in this forward."""

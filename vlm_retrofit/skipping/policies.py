@@ -209,9 +209,10 @@ class RandomPolicy(SkipPolicy):
     only `blocks` (default: every skippable block) are ever skipped; image positions too unless
     `skip_image_positions=False`.
 
-    A hash rather than an RNG stream: the same token gets the same decision with and without a KV cache and
-    across runs, so random baselines are reproducible and comparable. It is integer arithmetic on the exact bits
-    of the decoder input (an embedding row, the same in every pass) and the position in the sequence: no float
+    A hash rather than an RNG stream: the same token gets the same decision with and without a KV cache, alone or
+    left-padded in a batch, and across runs, so random baselines are reproducible and comparable. It is integer
+    arithmetic on the exact bits of the decoder input (an embedding row, the same in every pass; not at image
+    positions, whose features a batched matmul computes) and the position in the token's own sequence: no float
     result that a kernel choice could move by an ulp, and every occurrence of a token decides on its own.
     """
 
@@ -247,7 +248,8 @@ class RandomPolicy(SkipPolicy):
         return x ^ (x >> 15)
 
     def _token_hash(self, state: Any) -> Tensor:
-        """Int64 [B, T] hash of each token's decoder input bits and position."""
+        """Int64 [B, T] hash of each token's decoder input bits (a visual placeholder's: none) and its position in
+        its own sequence (`StreamState.sequence_positions`: a row decides alike alone and left-padded in a batch)."""
         source = state.stack.source(0)  # the decoder input as pushed: fp32 (buffered) or the model's dtype, same values
         bits = source.float().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
         weights = self._weights
@@ -255,8 +257,12 @@ class RandomPolicy(SkipPolicy):
             generator = torch.Generator().manual_seed(self.seed)  # the same weights on any device
             weights = torch.randint(1, 1 << 16, (bits.shape[-1],), generator=generator, dtype=torch.int64)
             self._weights = weights = weights.to(bits.device)
-        positions = state.context_length + torch.arange(bits.shape[1], device=bits.device, dtype=torch.int64)
-        return self._mix(((bits * weights).sum(-1) + positions * 0x9E3779B1 + self.seed) & self._MASK)
+        content = (bits * weights).sum(-1)
+        if state.token_is_image is not None:
+            # Image features are a batched matmul's output: their low bits move with the batch they ran in.
+            content = content.masked_fill(state.token_is_image, 0)
+        positions = state.sequence_positions().to(bits.device)
+        return self._mix((content + positions * 0x9E3779B1 + self.seed) & self._MASK)
 
     def _decisions(self, state: Any, num_blocks: int) -> Tensor:
         """Bool [num_blocks, B, T]: every block's decisions for this forward, computed together at its first block

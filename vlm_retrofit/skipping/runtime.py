@@ -92,6 +92,8 @@ class SkipController:
         self._image_ids = torch.tensor(sorted(adapter.spec.image_token_ids(unwrap_model(adapter.model).config)))
         self._token_is_image: Tensor | None = None
         self._token_is_real: Tensor | None = None
+        self._attention_mask: Tensor | None = None
+        """The top model's 2-D attention mask in its current call, over the cache and the new tokens."""
         self._continues_cache: bool | None = None
         """Whether the current call of the top model was given a KV cache (generate passes one from its prefill
         on; a teacher-forced call does not); None when the decoder was called without the top model."""
@@ -160,13 +162,14 @@ class SkipController:
         # None when there is none (every decode step): per-modality rules then cost no work per block.
         self._token_is_image = image_positions(kwargs.get("input_ids", args[0] if args else None), self._image_ids)
         mask = kwargs.get("attention_mask")
-        self._token_is_real = mask.bool() if isinstance(mask, Tensor) and mask.dim() == 2 else None
+        self._attention_mask = mask if isinstance(mask, Tensor) and mask.dim() == 2 else None
+        self._token_is_real = self._attention_mask.bool() if self._attention_mask is not None else None
         self._continues_cache = any(kwargs.get(name) is not None for name in ("past_key_values", "cache"))
 
     def _forget_input_ids(self, module: nn.Module, args: tuple, output: Any) -> None:
         # The capture describes one call of the top model: a later forward that does not pass through it (the
         # decoder called directly) must not take its image positions or padding.
-        self._token_is_image = self._token_is_real = self._continues_cache = None
+        self._token_is_image = self._token_is_real = self._continues_cache = self._attention_mask = None
 
     def _unpatch(self) -> None:
         for layer, previous in reversed(self._restore):
@@ -185,6 +188,9 @@ class SkipController:
             state.token_is_image = self._token_is_image
         if self._token_is_real is not None and self._token_is_real.shape == tokens_shape:
             state.token_is_real = self._token_is_real
+        mask = self._attention_mask
+        if mask is not None and mask.shape == (tokens_shape[0], state.context_length + tokens_shape[1]):
+            state.attention_mask = mask
         self._skip.clear()
         self._none_ran.clear()
         self._used = None
