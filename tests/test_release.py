@@ -170,6 +170,32 @@ def test_what_peft_trains_beside_the_lora_ships_in_a_merged_release(tmp_path, be
     assert saved["text_config"].get("tie_word_embeddings", False) == (tied and beside != "modules_to_save")
 
 
+def test_a_base_given_as_a_relative_folder_loads_from_anywhere_and_a_moved_one_is_named(tmp_path, monkeypatch):
+    from vlm_retrofit.testing import tiny_vlm
+
+    base, processor = tiny_vlm("llava", num_hidden_layers=6)
+    base.save_pretrained(tmp_path / "run" / "base")
+    processor.save_pretrained(tmp_path / "run" / "base")
+    fit_config(tmp_path / "run", "tiny-llava-lora.yaml", "--trainer.max_steps", "2", "--model.backbone", "base",
+               "--model.backbone_kwargs", "null")
+    root = tmp_path / "run" / "runs" / "tiny-llava-lora"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)  # a relative "base" recorded as given would name nothing here (or a hub id)
+    merge(root / "checkpoints" / "last.ckpt", tmp_path / "release")
+    model, processor = load_release(tmp_path / "release")
+    expected = _logits(model, tiny_inputs(processor))
+    assert json.loads((tmp_path / "release" / "release_config.json").read_text())["base_model"]["name"] == \
+        str((tmp_path / "run" / "base").resolve())
+
+    (tmp_path / "run" / "base").rename(tmp_path / "moved")
+    with pytest.raises(FileNotFoundError, match=r"base model folder .* not there .*\(--base, or base="):
+        load_release(tmp_path / "release")
+    assert main(["generate", "--model", str(tmp_path / "release"), "--prompt", "hi"]) == 1
+    model, _ = load_release(tmp_path / "release", base=str(tmp_path / "moved"))
+    torch.testing.assert_close(_logits(model, tiny_inputs(processor)), expected, atol=0, rtol=0)
+
+
 def test_merge_is_idempotent_byte_for_byte(trained, tmp_path):
     checkpoint, _ = trained
     merge(checkpoint, tmp_path / "a", full_weights=True)

@@ -38,7 +38,6 @@ def _args(run_dir, *extra, steps=2 * N, backbone="tiny:qwen2_vl", every=2, data=
         "--trainer.enable_model_summary", "false",
         "--trainer.logger", "false",
         "--trainer.default_root_dir", str(run_dir),
-        "--trainer.callbacks.dirpath", str(run_dir / "checkpoints"),
         "--trainer.callbacks.every_n_train_steps", str(every),
         *extra,
     ]
@@ -234,3 +233,19 @@ def test_sigkilled_process_resumes_from_its_last_checkpoint(tmp_path, count_step
                             text=True, timeout=300, env=env)
     assert result.returncode == -signal.SIGKILL, result.stderr[-2000:]
     _assert_resumes_like_straight(tmp_path, "killed", count_steps)
+
+
+def test_a_run_given_another_root_keeps_its_checkpoints_there_and_resumes_from_them(tmp_path, count_steps):
+    # The shipped configs once named their checkpoint folder outright: a run given another default_root_dir wrote
+    # (and `--ckpt_path last` resumed) the other run's last.ckpt.
+    from conftest import fit_config
+
+    fit_config(tmp_path, "tiny-llava-lora.yaml", "--trainer.max_steps", "2")
+    other = ("--trainer.default_root_dir", "runs/other")
+    fit_config(tmp_path, "tiny-llava-lora.yaml", "--trainer.max_steps", "3", *other)
+    assert inspect_checkpoint(tmp_path / "runs" / "tiny-llava-lora" / "checkpoints" / "last.ckpt")["global_step"] == 2
+    assert inspect_checkpoint(tmp_path / "runs" / "other" / "checkpoints" / "last.ckpt")["global_step"] == 3
+    assert (tmp_path / "runs" / "other" / "adapter").is_dir()
+    count_steps.clear()  # the config logs to a CSV logger: Lightning alone would look for `last` in its version folder
+    fit_config(tmp_path, "tiny-llava-lora.yaml", "--trainer.max_steps", "5", *other, "--ckpt_path", "last")
+    assert count_steps == [3, 4]

@@ -46,7 +46,6 @@ DATA_DEFAULTS: dict[str, Any] = {
     "synthetic_samples": 256,
 }
 CHECKPOINT_DEFAULTS: dict[str, Any] = {
-    "dirpath": f"{RUN_DIR}/checkpoints",
     "filename": "step{step:06d}",
     "auto_insert_metric_name": False,
     "save_last": True,
@@ -99,7 +98,7 @@ def _lightning_cli_class():
     from lightning.pytorch.cli import LightningCLI
     from lightning.pytorch.loggers import CSVLogger
 
-    from .training import RetrofitModule
+    from .training import RetrofitCheckpoint, RetrofitModule
 
     class RetrofitCLI(LightningCLI):
         """LightningCLI with the built-in default run and the backbone -> processor, model -> data seed links."""
@@ -119,6 +118,14 @@ def _lightning_cli_class():
                                        "init_args": dict(CHECKPOINT_DEFAULTS)}],
                 "trainer.logger": lazy_instance(CSVLogger, save_dir=RUN_DIR, name="logs"),
             })
+
+        def instantiate_trainer(self, **kwargs: Any):
+            trainer = super().instantiate_trainer(**kwargs)
+            # Before `--ckpt_path last` is looked up (Lightning does that before any callback's setup).
+            for callback in trainer.checkpoint_callbacks:
+                if isinstance(callback, RetrofitCheckpoint):
+                    callback.use_run_folder(trainer)
+            return trainer
 
         def after_fit(self) -> None:
             _report_fit(self.trainer, self.model)
@@ -219,4 +226,13 @@ def main(args: Sequence[str] | None = None) -> int:
         status = _load(command)(rest)
     except SystemExit as exit_:  # argparse --help / errors
         status = exit_.code
+    except Exception as error:
+        from .routing.adapter import AdapterMismatchError
+
+        # What the user gave does not fit (a missing or moved file, an adapter for another base): said in one line,
+        # before any work, as merge does; anything else is a bug worth its traceback.
+        if not isinstance(error, (FileNotFoundError, AdapterMismatchError)):
+            raise
+        print(f"{command} refused: {error}", file=sys.stderr)
+        return 1
     return status if isinstance(status, int) else (0 if status is None else 1)

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from .backbones import base_fingerprint, unchanged_fingerprint, unwrap_model
-from .backbones.loading import RELEASE_CONFIG, half_precision, load_backbone, load_processor
+from .backbones.loading import RELEASE_CONFIG, half_precision, load_backbone, load_processor, looks_like_a_folder
 from .backbones.tied import record_untied_embeddings, untie, with_tied_partners
 from .files import staged_folder
 from .routing import AdapterMismatchError, RouterAdapter, RouterConfig, attach_routers, check_fingerprint
@@ -64,6 +64,9 @@ def _load_base(base_model: dict[str, Any], base: str | None, source: str,
         base_model["name"] = base
     if not base_model.get("name"):
         raise ValueError(f"{source} does not say which base model it belongs to; pass the base explicitly (--base)")
+    if base is None and looks_like_a_folder(base_model["name"]) and not Path(base_model["name"]).is_dir():
+        raise FileNotFoundError(f"{source} was trained on the base model folder {base_model['name']!r}, which is not "
+                                "there (moved, or another machine): pass where it is now (--base, or base= in Python)")
     model, processor = load_backbone(base_model["name"], **_load_kwargs(base_model, source, trust_remote_code))
     return model, processor, base_model
 
@@ -83,7 +86,7 @@ def load_checkpoint(path: str | os.PathLike, base: str | None = None, *, trust_r
     if meta is None:
         raise AdapterMismatchError(f"{path} was not written by vlm_retrofit's RetrofitModule (no '{CHECKPOINT_SECTION}' section)")
     hp = checkpoint.get("hyper_parameters", {})
-    saved_base = {"name": hp.get("backbone", meta.get("backbone")), "kwargs": hp.get("backbone_kwargs") or {},
+    saved_base = {"name": meta.get("backbone") or hp.get("backbone"), "kwargs": hp.get("backbone_kwargs") or {},
                   "torch_dtype": hp.get("torch_dtype"), "attn_implementation": hp.get("attn_implementation"),
                   "model_class": hp.get("model_class"), "trust_remote_code": hp.get("trust_remote_code", False)}
     model, processor, base_model = _load_base(saved_base, base, str(path), trust_remote_code)
@@ -132,7 +135,8 @@ def load_adapter_folder(path: str | os.PathLike, base: str | None = None, *, tru
     return Loaded(model.eval(), processor, adapter, base_model, lora, "adapter", load_replacements(path))
 
 
-def _load_release(directory: Path, trust_remote_code: bool = False, torch_dtype: str | None = None) -> Loaded:
+def _load_release(directory: Path, trust_remote_code: bool = False, torch_dtype: str | None = None,
+                  base: str | None = None) -> Loaded:
     config = json.loads((directory / RELEASE_CONFIG).read_text())
     if config.get("format") != RELEASE_FORMAT:
         raise ValueError(f"{directory / RELEASE_CONFIG} is not a vlm_retrofit release")
@@ -145,7 +149,7 @@ def _load_release(directory: Path, trust_remote_code: bool = False, torch_dtype:
         if config.get("pruned"):  # a plain, shallower model of the base's class: no routers, nothing merged on top
             return Loaded(model.eval(), processor, None, base_model, config.get("lora"), "release")
     else:
-        model, _, base_model = _load_base(base_model, None, str(directory), trust_remote_code)
+        model, _, base_model = _load_base(base_model, base, str(directory), trust_remote_code)
         processor = load_processor(str(directory / "processor"),
                                    trust_remote_code=bool(base_model.get("trust_remote_code")))
     if (directory / MERGED_LORA).is_file():
@@ -165,13 +169,15 @@ def _load_release(directory: Path, trust_remote_code: bool = False, torch_dtype:
     return Loaded(model.eval(), processor, adapter, base_model, config.get("lora"), "release")
 
 
-def load_release(directory: str | os.PathLike, *, trust_remote_code: bool = False,
-                 torch_dtype: str | None = None) -> tuple[nn.Module, Any]:
+def load_release(directory: str | os.PathLike, *, trust_remote_code: bool = False, torch_dtype: str | None = None,
+                 base: str | None = None) -> tuple[nn.Module, Any]:
     """`(model, processor)` of a release folder; `vlm_retrofit.get_adapter(model)` gives its routers, e.g.
     `with get_adapter(model).skipping("recent_weight", target_saving=0.3): model.generate(...)`. A pruned
     release is a plain model with fewer layers (no routers; `transformers` alone can load its `model/`).
-    `torch_dtype` loads the weights in that dtype instead of the one the release records."""
-    loaded = _load_release(Path(directory), trust_remote_code, torch_dtype)
+    `torch_dtype` loads the weights in that dtype instead of the one the release records; `base` loads the base
+    from there instead of where the release records it (a release without full weights reads the base's own;
+    the base is checked against the one it was trained on)."""
+    loaded = _load_release(Path(directory), trust_remote_code, torch_dtype, base)
     return loaded.model, loaded.processor
 
 
@@ -195,7 +201,7 @@ def load_trained(path: str | os.PathLike, base: str | None = None, *, trust_remo
     if path.is_file():
         return load_checkpoint(path, base, trust_remote_code=trust_remote_code)
     if (path / RELEASE_CONFIG).is_file():
-        return _load_release(path, trust_remote_code)
+        return _load_release(path, trust_remote_code, base=base)
     if (path / CONFIG_NAME).is_file():
         return load_adapter_folder(path, base, trust_remote_code=trust_remote_code)
     raise FileNotFoundError(f"{path} is neither a checkpoint file, a router adapter folder ({CONFIG_NAME}) "

@@ -24,6 +24,20 @@ def resolve_dtype(name: str | None) -> torch.dtype | str | None:
     return DTYPES[name]
 
 
+def looks_like_a_folder(name: str) -> bool:
+    """Whether a backbone `name` can only be a local folder: absolute, `./` or `../` relative, or with more than one
+    `/` (a hub id has at most one)."""
+    return name.startswith(("/", "./", "../", "~")) or name.count("/") > 1 or name in (".", "..")
+
+
+def recorded_name(name: str) -> str:
+    """`name` as an adapter records its base: an existing local folder as an absolute path, so that what was trained
+    on it loads from any working directory; a hub id or `tiny:` name as given."""
+    if name.startswith("tiny:") or not Path(name).expanduser().is_dir():
+        return name
+    return str(Path(name).expanduser().resolve())
+
+
 RELEASE_CONFIG = "release_config.json"  # marks a folder written by `vlm_retrofit merge`
 
 

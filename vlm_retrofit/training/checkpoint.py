@@ -3,6 +3,7 @@ never loses the final steps."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,7 +26,7 @@ def checkpoint_metadata(module: "RetrofitModule") -> dict[str, Any]:
     """What a checkpoint of `module` records besides its trainable tensors."""
     return {
         "format_version": CHECKPOINT_FORMAT,
-        "backbone": module.hparams.backbone,
+        "backbone": module.adapter.base_model["name"],  # a local folder as an absolute path (`recorded_name`)
         "base_fingerprint": dict(module.adapter.fingerprint),
         "router_config": module.adapter.config.to_dict(),
         "layout": module.adapter.layout.to_dict(),
@@ -110,7 +111,22 @@ class RetrofitCheckpoint(ModelCheckpoint):
     Lightning's own callback saves `last.ckpt` only on its step / epoch triggers, so a run whose `max_steps`
     is not a multiple of `every_n_train_steps` (or that stopped early) would resume from an older step.
     Checkpoints hold only the trainable state (see `RetrofitModule.on_save_checkpoint`).
+
+    Without a `dirpath` they go to `<trainer.default_root_dir>/checkpoints`, beside the exported adapter: a run
+    given another root (`--trainer.default_root_dir`) then neither overwrites another run's `last.ckpt` nor resumes
+    from it. (Lightning's own default is the logger's version folder, where `--ckpt_path last` of the next
+    version would not look.) `python -m vlm_retrofit` sets it as the trainer is built, before `--ckpt_path last`
+    is looked up; in a trainer of your own it is set at setup.
     """
+
+    def use_run_folder(self, trainer: "pl.Trainer") -> None:
+        """Take `<trainer.default_root_dir>/checkpoints` as the folder, unless one was given."""
+        if self.dirpath is None:
+            self.dirpath = os.path.realpath(os.path.join(trainer.default_root_dir, "checkpoints"))
+
+    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        self.use_run_folder(trainer)
+        super().setup(trainer, pl_module, stage)
 
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         if not self._should_skip_saving_checkpoint(trainer):

@@ -22,7 +22,7 @@ from ..skipping import SkipSimulation
 from ..skipping.calibrate import scored_positions
 from ..skipping.runtime import resolve_budget
 from ..routing import RouterConfig, attach_routers
-from ..backbones.loading import load_backbone
+from ..backbones.loading import load_backbone, recorded_name
 from ..pruning import layers_removed
 from ..replacement import fit_replacements, output_projection, replacements_applied
 from .checkpoint import CHECKPOINT_KEY, check_checkpoint, checkpoint_metadata, resumed_removal_range
@@ -313,7 +313,7 @@ class RetrofitModule(pl.LightningModule):
         """Linear replacement of the removed layers (`replace_removed`), keyed by the layer that carries it."""
         if replace_removed:  # a family that cannot fold one is refused here, before any work
             output_projection(self.adapter.spec, self.adapter.spec.get_layers(model)[0])
-        self.adapter.base_model = {"name": backbone, "kwargs": dict(backbone_kwargs or {}), "torch_dtype": torch_dtype,
+        self.adapter.base_model = {"name": recorded_name(backbone), "kwargs": dict(backbone_kwargs or {}), "torch_dtype": torch_dtype,
                                    "attn_implementation": attn_implementation, "model_class": model_class,
                                    "trust_remote_code": trust_remote_code}
         if removal_order is not None and not isinstance(removal_order, str):
