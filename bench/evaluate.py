@@ -66,12 +66,6 @@ def teacher_forced(model, inputs: dict[str, Any], continuation: Tensor, method: 
     return logits, agreement, kl
 
 
-def rouge_l(predictions: list[str], references: list[str]) -> float:
-    from torchmetrics.functional.text.rouge import rouge_score
-
-    return float(rouge_score(predictions, references, rouge_keys="rougeL")["rougeL_fmeasure"])
-
-
 @torch.no_grad()
 def decode_speed(model, inputs: dict[str, Any], method: Method, pad_token_id: int, new_tokens: int = 32,
                  repeats: int = 2) -> float:

@@ -13,8 +13,10 @@ from typing import Any, Callable
 
 import torch
 
-from .evaluate import (Method, decode_speed, greedy, nullmethod, paired_speed_ratios, perplexity, rouge_l,
-                       routing_share, speed_ratio, teacher_forced)
+from vlm_retrofit.text_metrics import rouge_l
+
+from .evaluate import (Method, decode_speed, greedy, nullmethod, paired_speed_ratios, perplexity, routing_share,
+                       speed_ratio, teacher_forced)
 
 
 # Per-token policies skip only the cheapest blocks by single-block removal impact: this many times as many as a

@@ -13,6 +13,7 @@ from torch import Tensor
 
 from vlm_retrofit.skipping import SkipReport, calibrate
 from vlm_retrofit.batch import model_inputs
+from vlm_retrofit.text_metrics import rouge_l
 
 
 def prompts_from_batch(batch: Mapping[str, Any], pad_token_id: int) -> dict[str, Any]:
@@ -143,8 +144,6 @@ def compare_generation(model, adapter, prompts: list[dict[str, Any]], policy: st
 
     Returns `skip/...` metrics (see SkipAwareGenerationCallback) and the merged SkipReport of the skipping runs.
     """
-    from torchmetrics.functional.text.rouge import rouge_score
-
     pad = generation_pad_id(tokenizer)
     options = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
     matches = total = generated = 0
@@ -173,7 +172,7 @@ def compare_generation(model, adapter, prompts: list[dict[str, Any]], policy: st
         "skip/compute_saved": report.compute_saved,
         "skip/skipped_layer_fraction": report.skipped_layer_fraction,
         "skip/token_match": matches / total if total else 1.0,
-        "skip/rouge_l": float(rouge_score(skip_texts, base_texts, rouge_keys="rougeL")["rougeL_fmeasure"]),
+        "skip/rouge_l": rouge_l(skip_texts, base_texts),
         "skip/tokens_per_s": generated / skip_time if skip_time else 0.0,
         "skip/base_tokens_per_s": generated / base_time if base_time else 0.0,
     }
