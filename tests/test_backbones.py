@@ -4,13 +4,15 @@ import copy
 
 import pytest
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Phi3Config, Phi3ForCausalLM,
+                          StableLmConfig, StableLmForCausalLM)
 
-from vlm_retrofit import BackboneSpec, RouterConfig, attach_routers, register_backbone
+from vlm_retrofit import BackboneSpec, RouterConfig, attach_routers, get_adapter, register_backbone
 from vlm_retrofit.backbones import (base_fingerprint, image_positions, resolve, supported_model_types,
                                    unchanged_fingerprint)
 from vlm_retrofit.backbones.registry import evenly_spaced, unregister_backbone
 from vlm_retrofit.routing import AdapterMismatchError, check_fingerprint, check_identity
+from vlm_retrofit.skipping import check_skip_consistency
 from vlm_retrofit.testing import FAMILIES, tiny_inputs, tiny_vlm
 
 
@@ -76,8 +78,29 @@ def test_a_registered_plug_in_family_gets_exact_routers():
         with pytest.raises(ValueError, match="already registered"):
             register_backbone("toy_llama", BackboneSpec())
         assert check_identity(model, inputs) <= 1e-4
+        assert check_skip_consistency(model, {k: v[:1] for k, v in inputs.items()}) <= 1e-4
     finally:
         unregister_backbone("toy_llama")
+
+
+@pytest.mark.parametrize("family, missing", [("phi3", "'k_proj' .*BackboneSpec\\(k_proj_attr=...\\)"),
+                                             ("stablelm", "partial_rotary_factor 0.25.*BackboneSpec\\(rotary_fn=...\\)")])
+def test_a_plug_in_family_whose_kv_path_cannot_run_passes_identity_and_fails_the_skip_check_by_name(family, missing):
+    # Identity at init never runs the kv-only path of a skipped layer: these passed it, then crashed (phi3) or
+    # would have written wrongly rotated keys (stablelm) on the first generate under skipping.
+    config_class, model_class = {"phi3": (Phi3Config, Phi3ForCausalLM),
+                                 "stablelm": (StableLmConfig, StableLmForCausalLM)}[family]
+    model = model_class(config_class(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                     num_attention_heads=4, num_key_value_heads=2, pad_token_id=0)).eval()
+    inputs = {"input_ids": torch.randint(1, 64, (1, 7)), "attention_mask": torch.ones(1, 7, dtype=torch.long)}
+    register_backbone(family, BackboneSpec())
+    try:
+        assert check_identity(model, inputs) <= 1e-4
+        with pytest.raises(AssertionError, match=missing):
+            check_skip_consistency(model, inputs)
+        assert get_adapter(model) is None  # the check leaves the model as it was given
+    finally:
+        unregister_backbone(family)
 
 
 def test_fingerprint_is_stable_and_tells_bases_apart():

@@ -126,9 +126,16 @@ class BackboneSpec:
         return self.text_config(unwrap_model(model).config)
 
     def attention_parts(self, layer: nn.Module) -> AttentionParts:
-        attention = getattr(layer, self.attention_attr)
+        attention = _kv_part(layer, self.attention_attr, "attention_attr", "the self-attention module")
         k_norm = getattr(attention, self.k_norm_attr, None) if self.k_norm_attr else None
         rotary_fn = self.rotary_fn
+        partial = _partial_rotary_factor(getattr(attention, "config", None))
+        if rotary_fn is None and partial < 1:
+            # The modeling module's apply_rotary_pos_emb rotates whole heads; its attention splits them first.
+            raise TypeError(f"{type(attention).__name__} rotates a part of each key (partial_rotary_factor {partial}), "
+                            "and a skipped layer writes its K/V through its module's apply_rotary_pos_emb, which "
+                            "rotates whole keys: register the family with BackboneSpec(rotary_fn=...) that rotates "
+                            "that part only")
         if rotary_fn is None:
             rotary_fn = getattr(sys.modules[type(attention).__module__], "apply_rotary_pos_emb", None)
             if rotary_fn is None:
@@ -137,13 +144,35 @@ class BackboneSpec:
                     "register its backbone with BackboneSpec(rotary_fn=...)"
                 )
         return AttentionParts(
-            input_norm=getattr(layer, self.input_norm_attr),
+            input_norm=_kv_part(layer, self.input_norm_attr, "input_norm_attr", "the norm in front of attention"),
             attention=attention,
-            k_proj=getattr(attention, self.k_proj_attr),
-            v_proj=getattr(attention, self.v_proj_attr),
+            k_proj=_kv_part(attention, self.k_proj_attr, "k_proj_attr", "the key projection"),
+            v_proj=_kv_part(attention, self.v_proj_attr, "v_proj_attr", "the value projection"),
             k_norm=k_norm,
             rotary_fn=rotary_fn,
         )
+
+
+def _partial_rotary_factor(config: Any) -> float:
+    """The share of each head that rotary embeddings rotate (1: all), wherever the config keeps it (its own attribute,
+    or `rope_parameters`, per layer type in some families)."""
+    found = [getattr(config, "partial_rotary_factor", None)]
+    rope = getattr(config, "rope_parameters", None)
+    if isinstance(rope, dict):
+        found += [rope.get("partial_rotary_factor")]
+        found += [value.get("partial_rotary_factor") for value in rope.values() if isinstance(value, dict)]
+    return min((float(f) for f in found if f is not None), default=1.0)
+
+
+def _kv_part(owner: nn.Module, attribute: str, spec_field: str, what: str) -> nn.Module:
+    """`owner.<attribute>`, or an error saying which BackboneSpec field names it."""
+    part = getattr(owner, attribute, None)
+    if part is None:
+        raise TypeError(f"{type(owner).__name__} has no {attribute!r} ({what}), which a skipped layer runs to write its "
+                        f"K/V into the cache: register the family with BackboneSpec({spec_field}=...) naming it. "
+                        "Layouts without a separate norm, key and value projection (post-norm layers, fused qkv "
+                        "projections) are not supported")
+    return part
 
 
 _REGISTRY: dict[str, BackboneSpec] = {}

@@ -22,6 +22,7 @@ from .policies import (
     StaticPolicy,
     make_policy,
 )
+from .consistency import check_skip_consistency
 from .runtime import SkipController, kv_only
 from .simulation import SkipSimulation
 
@@ -31,6 +32,7 @@ __all__ = [
     "block_influence",
     "calibrate",
     "candidate_blocks",
+    "check_skip_consistency",
     "POLICIES",
     "GatePolicy",
     "greedy_removal_order",
