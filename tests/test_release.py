@@ -293,3 +293,44 @@ def test_calibrate_merge_generate_commands(trained, tmp_path, capsys):
     # A release stores its calibration in its own router/: an adapter folder elsewhere would lose its merged LoRA.
     assert main(["calibrate", "--model", str(tmp_path / "release"), "--output", str(tmp_path / "elsewhere")]) == 1
     assert "is a release" in capsys.readouterr().out and not (tmp_path / "elsewhere").exists()
+
+
+def test_merge_and_calibrate_refuse_an_output_that_holds_other_files_or_their_input(trained, tmp_path, capsys):
+    # Before: the output folder was replaced whole, whatever it held (the run folder with its checkpoints, or the
+    # adapter being merged).
+    checkpoint, adapter_dir = trained
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "checkpoints" / "last.ckpt").write_bytes(b"training state")
+    for command in (["merge", "--ckpt", str(checkpoint), "--output", str(run)],
+                    ["calibrate", "--model", str(checkpoint), "--output", str(run), "--batches", "1"]):
+        assert main(command) == 1
+        printed = capsys.readouterr()
+        assert "not an adapter or release folder" in printed.out + printed.err
+        assert (run / "checkpoints" / "last.ckpt").read_bytes() == b"training state"
+    copy = tmp_path / "adapter"
+    shutil.copytree(adapter_dir, copy)
+    with pytest.raises(ValueError, match="holds the input"):
+        merge(copy, copy)
+    with pytest.raises(ValueError, match="holds the input"):
+        merge(copy, tmp_path)
+    assert (copy / "adapter_config.json").is_file()
+    merge(checkpoint, tmp_path / "release")
+    merge(checkpoint, tmp_path / "release")  # an earlier release is replaced, as before
+    merge(checkpoint, tmp_path / "merged", merge_lora=True)
+    with pytest.raises(ValueError, match="LoRA is merged into its weights"):
+        merge(tmp_path / "merged", tmp_path / "again")
+
+
+def test_written_files_are_as_readable_as_the_umask_makes_any_file(trained, tmp_path):
+    # mkstemp's private 0600 stayed on the adapter's files: another user or a serving container could not read them.
+    checkpoint, _ = trained
+    previous = os.umask(0o022)
+    try:
+        merge(checkpoint, tmp_path / "release")
+    finally:
+        os.umask(previous)
+    modes = {p.relative_to(tmp_path).as_posix(): p.stat().st_mode & 0o777
+             for p in (tmp_path / "release").rglob("*") if p.is_file()}
+    assert modes["release/router/adapter_model.safetensors"] == 0o644
+    assert set(modes.values()) == {0o644}, modes

@@ -231,7 +231,7 @@ def main(args: Sequence[str] | None = None) -> int:
 
         # What the user gave does not fit (a missing or moved file, an adapter for another base): said in one line,
         # before any work, as merge does; anything else is a bug worth its traceback.
-        if not isinstance(error, (FileNotFoundError, AdapterMismatchError)):
+        if not isinstance(error, (FileNotFoundError, FileExistsError, AdapterMismatchError)):
             raise
         print(f"{command} refused: {error}", file=sys.stderr)
         return 1

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from .files import write_adapter_folder
+from .files import check_replaceable, write_adapter_folder
 from .release import Loaded, add_trust_remote_code_flag, load_base_model, load_trained, summarize_pruning
 from .skipping import POLICIES, SkipController, calibrate
 
@@ -30,6 +30,8 @@ def _adapter_output(loaded: Loaded, source: Path, output: str | None) -> tuple[P
         raise ValueError(f"{source} is a release: its calibration is stored in {own}. An adapter folder elsewhere "
                          "would lose the weights the release merged; drop --output, or calibrate the adapter or "
                          "checkpoint it was merged from")
+    if not in_place:
+        check_replaceable(target)  # e.g. the run folder holding the checkpoint: refused before any work
     return target, in_place
 
 

@@ -16,6 +16,9 @@ def atomic_write(path: Path, write: Callable[[str], object]) -> None:
     os.close(fd)
     try:
         write(tmp)
+        # mkstemp makes it private (0600), and some writers (safetensors) create their own so: a written file is
+        # as readable as any other the process creates.
+        os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
@@ -23,15 +26,53 @@ def atomic_write(path: Path, write: Callable[[str], object]) -> None:
         raise
 
 
+def check_replaceable(output: Path) -> None:
+    """Refuse an `output` that replacing whole would lose files this package did not write: anything but a missing
+    or empty folder, or an adapter or release folder (its config file at the top)."""
+    from .backbones.loading import RELEASE_CONFIG
+    from .routing.adapter import CONFIG_NAME
+
+    if not output.exists():
+        return
+    if not output.is_dir():
+        raise FileExistsError(f"{output} is a file; give a folder to write into (it is replaced whole)")
+    if any((output / marker).is_file() for marker in (CONFIG_NAME, RELEASE_CONFIG)):
+        return
+    held = sorted(p.name for p in output.iterdir())
+    if held:
+        raise FileExistsError(f"{output} holds {held[:5]}{' ...' if len(held) > 5 else ''}, which is not an adapter or "
+                              "release folder: writing it would replace the folder whole and delete them. Give a new "
+                              "folder (or an earlier adapter or release folder), or empty it yourself")
+
+
+def _umask() -> int:
+    """The process's umask, read without changing it where the OS shows it (setting it, even briefly, would apply
+    to files other threads create meanwhile)."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 @contextlib.contextmanager
 def staged_folder(output: Path, purpose: str) -> Iterator[Path]:
     """A hidden folder beside `output` to write into. When the block succeeds it replaces `output` whole (no
-    file of an earlier folder survives in it); when it fails it is removed and `output` is left as it was."""
+    file of an earlier folder survives in it); when it fails it is removed and `output` is left as it was. An
+    `output` holding anything else than an earlier adapter or release is refused first (`check_replaceable`)."""
+    check_replaceable(output)
     output.parent.mkdir(parents=True, exist_ok=True)
     staging = output.parent / f".{output.name}.{purpose}"
     shutil.rmtree(staging, ignore_errors=True)
     try:
         yield staging
+        # Writers that stage files privately (safetensors writes 0600) would leave a shipped release unreadable by
+        # other users or a serving container: every file gets the modes the umask gives any new file.
+        mask = _umask()
+        for path in staging.rglob("*"):
+            os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~mask)
         previous = output.parent / f".{output.name}.previous"
         shutil.rmtree(previous, ignore_errors=True)
         if output.exists():

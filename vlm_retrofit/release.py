@@ -359,10 +359,16 @@ def merge(source: str | os.PathLike, output: str | os.PathLike, *, base: str | N
     (`pruning.blocks_to_prune`).
     """
     output = Path(output)
+    if output.resolve() == Path(source).resolve() or output.resolve() in Path(source).resolve().parents:
+        raise ValueError(f"--output {output} holds the input {source}: the release replaces the folder whole, so "
+                         "give it a folder of its own")
     loaded = load_trained(source, base, trust_remote_code=trust_remote_code)
     if loaded.adapter is None:
         raise ValueError(f"{source} is a pruned release: it has no routers left to merge; merge the adapter or "
                          "checkpoint it came from")
+    if loaded.kind == "release" and loaded.lora == "merged":
+        raise ValueError(f"{source} is a release whose LoRA is merged into its weights, which a new release of it "
+                         "would not carry; merge the adapter or checkpoint it came from")
     pruning = prune_blocks is not None or prune_target is not None
     if loaded.replacement is not None and not pruning:
         raise ValueError(f"{source} carries a linear replacement of layers {loaded.replacement[1]}, which only a "
@@ -435,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
         path = merge(ns.ckpt, ns.output, base=ns.base, merge_lora=ns.merge_lora, full_weights=ns.full_weights,
                      verify=not ns.no_verify, prune_blocks=ns.prune_blocks, prune_target=ns.prune_target,
                      allow_untrained_removal=ns.allow_untrained_removal, trust_remote_code=ns.trust_remote_code)
-    except (AdapterMismatchError, FileNotFoundError, ValueError, ReleaseVerificationError) as error:
+    except (AdapterMismatchError, FileNotFoundError, FileExistsError, ValueError, ReleaseVerificationError) as error:
         print(f"merge refused: {error}")
         return 1
     size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
