@@ -32,22 +32,48 @@ class DataQualityError(RuntimeError):
 class SkipCounter:
     """Skips seen by ONE producer (a DataLoader worker, or the main process with `num_workers=0`).
 
-    `skip()` logs one warning line naming shard, key and reason; `take()` returns the counts since the previous
-    `take()` and resets them, so every batch carries only its own news and the main process can simply sum.
+    `skip()` logs a warning line naming shard, key and reason (the first `logged_per_reason` of each reason, then
+    every `log_every`-th: a stream of bad samples would otherwise write gigabytes of log); `take()` returns the
+    counts since the previous `take()` and resets them, so every batch carries only its own news and the main
+    process can simply sum. A producer that skips `no_batch_limit` samples before forming its first batch raises
+    `DataQualityError`: the training stream resamples its shards forever, so with no usable sample it would never
+    yield a batch, and the bad-fraction check, which runs on batches, would never fire.
     """
+
+    logged_per_reason = 20
+    log_every = 1000
+    no_batch_limit = 1000
 
     def __init__(self) -> None:
         self.reasons: Counter[str] = Counter()
         self.shards: Counter[str] = Counter()
+        self._seen: Counter[str] = Counter()
+        """Skips by reason over this producer's life (for the log's rate limit)."""
+        self._shards_seen: Counter[str] = Counter()
+        self.batches_formed = 0
 
     def skip(self, reason: str, shard: str, key: str | None, detail: Any = "") -> None:
         assert reason in REASONS, reason
         self.reasons[reason] += 1
         self.shards[str(shard)] += 1
-        detail = str(detail).splitlines()[0][:200] if str(detail) else ""
-        log.warning("skipped sample %r in shard %s: %s%s", key, shard, reason, f" ({detail})" if detail else "")
+        self._seen[reason] += 1
+        self._shards_seen[str(shard)] += 1
+        seen = self._seen[reason]
+        if seen <= self.logged_per_reason or seen % self.log_every == 0:
+            detail = str(detail).splitlines()[0][:200] if str(detail) else ""
+            log.warning("skipped sample %r in shard %s: %s%s%s", key, shard, reason, f" ({detail})" if detail else "",
+                        f" [{seen} {reason} skips so far; further ones are counted, every {self.log_every}th logged]"
+                        if seen >= self.logged_per_reason else "")
+        total = sum(self._seen.values())
+        if not self.batches_formed and total >= self.no_batch_limit:
+            worst = ", ".join(f"{s} ({n})" for s, n in self._shards_seen.most_common(3))
+            raise DataQualityError(f"the first {total} samples read were all unusable ({dict(self._seen)}), so no "
+                                   f"batch can be formed; shards: {worst}. Check the shards' image and text keys "
+                                   "(image_keys / text_keys) and that the files decode")
 
     def take(self) -> tuple[dict[str, int], dict[str, int]]:
+        """The skips since the previous call, as (by reason, by shard); called as a batch is formed."""
+        self.batches_formed += 1
         reasons, shards = dict(self.reasons), dict(self.shards)
         self.reasons.clear()
         self.shards.clear()

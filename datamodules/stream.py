@@ -15,6 +15,7 @@ from collections import Counter
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import webdataset as wds
+from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader, IterableDataset
 from webdataset.filters import _shuffle
 from webdataset.utils import pytorch_worker_info
@@ -164,9 +165,11 @@ class EpochLoader(DataLoader):
     resumed run does not replay its epoch from the top."""
 
     def __init__(self, *args: Any, consumed: Callable[[], int] | None = None, batches_per_epoch: int | None = None,
-                 **kwargs: Any) -> None:
+                 samples_per_batch: int | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.consumed, self.batches_per_epoch = consumed, batches_per_epoch
+        self.samples_per_batch = samples_per_batch
+        """The pipeline's batch size (it batches itself: the loader's own `batch_size` is None)."""
         self._resume_skip = 0
 
     def __iter__(self):
@@ -183,10 +186,20 @@ class EpochLoader(DataLoader):
     def state_dict(self) -> dict[str, int]:
         state = getattr(self.dataset, "epoch_state", None)
         return {"epoch": state.epoch if state is not None else 0,
-                "batches": int(self.consumed()) if self.consumed is not None else 0}
+                "batches": int(self.consumed()) if self.consumed is not None else 0,
+                "batch_size": int(self.samples_per_batch or 0), "num_workers": int(self.num_workers)}
 
     def load_state_dict(self, saved: Mapping[str, int]) -> None:
         epoch, batches = int(saved.get("epoch", 0)), int(saved.get("batches", 0))
+        layout = {"batch_size": int(self.samples_per_batch or 0), "num_workers": int(self.num_workers)}
+        changed = {k: (saved[k], v) for k, v in layout.items() if k in saved and saved[k] != v}
+        if changed:
+            # The position is a count of batches of each worker's stream: other batches or workers read another
+            # stream, so the resumed epoch is not the one an uninterrupted run would have read.
+            rank_zero_warn(f"resuming the training stream with {', '.join(f'{k} {a} -> {b}' for k, (a, b) in changed.items())}: "
+                           f"its position ({batches} batches into epoch {epoch}) was counted in the checkpoint's "
+                           "batches, so this epoch continues on another stream and its sample count differs from an "
+                           "uninterrupted run's. Keep batch_size and num_workers to continue exactly")
         if self.batches_per_epoch and batches >= self.batches_per_epoch:
             batches = 0  # saved on the epoch's last batch: the next pass is the next epoch's
         else:

@@ -249,6 +249,9 @@ class WebDatasetDataModule(pl.LightningDataModule):
                                  "synthetic data has one source: drop train_weights")
             train = self._synthetic()
         entries = [train] if isinstance(train, str) else list(train)
+        if not entries:
+            raise ShardError("train_shards is an empty list: give shard paths, patterns or shard builder folders, or "
+                             "leave it unset (null) for the built-in synthetic data")
         if self.train_weights is not None:
             _check_weights(entries, self.train_weights)
         self.train_sources = [_train_split_urls(spec) for spec in entries]
@@ -309,7 +312,8 @@ class WebDatasetDataModule(pl.LightningDataModule):
 
     def train_dataloader(self):
         return self._loader(self.train_dataset(), consumed=self._batches_trained_this_epoch,
-                            batches_per_epoch=self.train_batches_per_worker * max(1, self.num_workers))
+                            batches_per_epoch=self.train_batches_per_worker * max(1, self.num_workers),
+                            samples_per_batch=self.batch_size)
 
     def val_dataloader(self):
         return self._loader(self.val_dataset()) if self.val_urls else []

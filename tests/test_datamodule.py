@@ -4,6 +4,7 @@ import io
 import itertools
 import json
 import logging
+import warnings
 from collections import Counter
 
 import lightning.pytorch as pl
@@ -15,6 +16,7 @@ from vlm_retrofit.datamodules import (
     DataQualityCallback,
     DataQualityError,
     ShardError,
+    SkipCounter,
     WebDatasetDataModule,
     check_bad_fraction,
     manifest_urls,
@@ -203,6 +205,8 @@ def test_setup_refuses_bad_patterns_before_loading_anything(tmp_path):
     (tmp_path / "fake.tar").write_text("hello, I am not a tar")
     with pytest.raises(ShardError, match="not a tar file"):
         WebDatasetDataModule(not_a_model, train_shards=str(tmp_path / "fake.tar")).setup("fit")
+    with pytest.raises(ShardError, match="train_shards is an empty list"):  # before: webdataset's error, late
+        WebDatasetDataModule(not_a_model, train_shards=[]).setup("fit")
 
 
 def _stream(dm, epochs=2):
@@ -491,3 +495,37 @@ def test_a_list_of_shard_builder_folders_trains_on_their_train_splits_and_valida
         dm.setup("fit")
         assert dm.train_urls == manifest_urls(folders[0], "train") + manifest_urls(folders[1], "train")
         assert dm.val_urls == manifest_urls(folders[0], "val") + manifest_urls(folders[1], "val") and dm.val_urls
+
+
+def test_shards_of_only_unusable_samples_stop_training_by_name_and_log_a_bounded_number_of_lines(
+        tmp_path, caplog, monkeypatch):
+    # Before: the training stream resampled them forever without forming a batch (the bad-fraction check runs on
+    # batches), writing a log line per skip: a gigabyte in minutes, and the process never yielded to SIGTERM.
+    write_tar(tmp_path / "bad.tar", [(f"b{i:02d}", {"png": b"garbage", "txt": b"a caption"}) for i in range(30)])
+    monkeypatch.setattr(SkipCounter, "no_batch_limit", 200)
+    monkeypatch.setattr(SkipCounter, "log_every", 100)
+    dm = WebDatasetDataModule(PROC, train_shards=str(tmp_path / "bad.tar"), num_workers=0, batch_size=2,
+                              train_samples_per_epoch=40)
+    dm.setup("fit")
+    with caplog.at_level("WARNING", logger="vlm_retrofit.datamodules"):
+        with pytest.raises(DataQualityError, match=r"first 200 samples read were all unusable .*corrupt_image.*bad\.tar"):
+            list(dm.train_dataloader())
+    lines = [r for r in caplog.records if "skipped sample" in r.getMessage()]
+    assert len(lines) == SkipCounter.logged_per_reason + 2  # then the 100th and the 200th
+    assert "further ones are counted" in lines[-1].getMessage()
+
+
+def test_a_resume_with_another_batch_size_or_worker_count_says_the_epoch_continues_on_another_stream(tmp_path):
+    # Before: the saved position (a count of batches) was replayed at the new size without a word, and the resumed
+    # epoch silently read another number of samples than an uninterrupted one.
+    write_synthetic_shards(tmp_path, num_samples=24, maxcount=8, val_fraction=0.0)
+    dm = WebDatasetDataModule(PROC, train_shards=str(tmp_path), num_workers=0, batch_size=4, train_samples_per_epoch=40)
+    dm.setup("fit")
+    loader = dm.train_dataloader()
+    saved = loader.state_dict()
+    assert saved["batch_size"] == 4 and saved["num_workers"] == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loader.load_state_dict(saved)  # the same layout: silent
+    with pytest.warns(UserWarning, match=r"batch_size 8 -> 4: .*Keep batch_size and num_workers"):
+        loader.load_state_dict({**saved, "batch_size": 8})

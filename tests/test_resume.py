@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -249,3 +250,21 @@ def test_a_run_given_another_root_keeps_its_checkpoints_there_and_resumes_from_t
     count_steps.clear()  # the config logs to a CSV logger: Lightning alone would look for `last` in its version folder
     fit_config(tmp_path, "tiny-llava-lora.yaml", "--trainer.max_steps", "5", *other, "--ckpt_path", "last")
     assert count_steps == [3, 4]
+
+
+def test_a_resume_that_changes_what_the_trained_lora_or_removal_means_is_refused(tmp_path):
+    # Before: lora_alpha (the LoRA update's scale) and an explicit removal order were taken silently on resume; the
+    # order was then ignored for the checkpoint's.
+    from conftest import fit_config
+
+    fit_config(tmp_path, "tiny-llava-lora.yaml", "--trainer.max_steps", "2")
+    with pytest.raises(AdapterMismatchError, match=r"lora_alpha 8 -> 32"):
+        fit_config(tmp_path, "tiny-llava-lora.yaml", "--trainer.max_steps", "4", "--model.lora.lora_alpha", "32",
+                   "--ckpt_path", "last")
+    fit_config(tmp_path, "tiny-prune-heal.yaml", "--trainer.max_steps", "2")
+    order = inspect_checkpoint(tmp_path / "runs" / "tiny-prune-heal" / "checkpoints" / "last.ckpt")["removal_order"]
+    other = list(reversed(order))
+    with pytest.raises(AdapterMismatchError, match=rf"healed removal order {re.escape(str(order))}.* names "
+                                                   rf"{re.escape(str(other))}"):
+        fit_config(tmp_path, "tiny-prune-heal.yaml", "--trainer.max_steps", "4", "--model.removal_order",
+                   json.dumps(other), "--ckpt_path", "last")

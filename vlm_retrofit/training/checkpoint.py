@@ -65,10 +65,25 @@ def check_checkpoint(module: "RetrofitModule", checkpoint: dict[str, Any]) -> di
             f"wrong shape {shapes[:8]}. Router config differences (saved, now): {differs or 'none'}; "
             f"LoRA saved {meta.get('lora')!r}, now {module.hparams.lora!r}."
         )
+    saved_lora, lora = dict(meta.get("lora") or {}), dict(module.hparams.lora or {})
+    lora_changes = {k for k in saved_lora.keys() | lora.keys() if saved_lora.get(k) != lora.get(k)}
+    if lora_changes & LORA_SCALE_FIELDS:
+        changed = ", ".join(f"{k} {saved_lora.get(k)!r} -> {lora.get(k)!r}" for k in sorted(lora_changes & LORA_SCALE_FIELDS))
+        raise AdapterMismatchError(
+            f"resuming with a LoRA that scales its update otherwise than the checkpoint's ({changed}): the trained "
+            "matrices would compute another function. Resume with the checkpoint's LoRA settings, or start a new run "
+            "(fit without --ckpt_path)")
+    if lora_changes:
+        rank_zero_warn(f"resuming with LoRA settings {sorted(lora_changes)} other than the checkpoint's: saved "
+                       f"{meta.get('lora')}, now {module.hparams.lora}")
     if meta.get("router_config") != adapter.config.to_dict():
         rank_zero_warn(f"resuming with a different router config than the checkpoint's: saved "
                        f"{meta.get('router_config')}, now {adapter.config.to_dict()}")
     return meta
+
+
+LORA_SCALE_FIELDS = frozenset({"lora_alpha", "use_rslora", "use_dora", "alpha_pattern", "rank_pattern"})
+"""LoRA settings that change what trained LoRA matrices compute (their update's scale or form)."""
 
 
 def resumed_removal_range(saved: tuple[int, int], now: tuple[int, int] | None) -> tuple[int, int]:

@@ -21,7 +21,7 @@ from ..files import write_adapter_folder
 from ..skipping import SkipSimulation
 from ..skipping.calibrate import scored_positions
 from ..skipping.runtime import resolve_budget
-from ..routing import RouterConfig, attach_routers
+from ..routing import AdapterMismatchError, RouterConfig, attach_routers
 from ..backbones.loading import load_backbone, recorded_name
 from ..pruning import layers_removed
 from ..replacement import fit_replacements, output_projection, replacements_applied
@@ -768,6 +768,12 @@ class RetrofitModule(pl.LightningModule):
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         meta = check_checkpoint(self, checkpoint)  # refuses a mismatched checkpoint before anything is loaded
         if meta.get("removal_order") is not None:
+            given = self.hparams.removal_order
+            if isinstance(given, (list, tuple)) and list(given) != list(meta["removal_order"]):
+                raise AdapterMismatchError(
+                    f"this checkpoint healed removal order {meta['removal_order']} and this run names {list(given)}: "
+                    "a resumed run keeps the removal it started with. Resume without removal_order, or start a new "
+                    "run (fit without --ckpt_path) to heal another removal")
             self._set_removal_order(meta["removal_order"])  # a resumed run keeps the schedule it started with
         if meta.get("removal_range") is not None:  # what it trained so far counts, with what this run trains
             self.adapter.removal_range = resumed_removal_range(tuple(meta["removal_range"]), self.adapter.removal_range)
