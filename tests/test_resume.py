@@ -183,6 +183,22 @@ def test_killed_run_resumes_from_its_last_checkpoint(tmp_path, monkeypatch, coun
     _assert_resumes_like_straight(tmp_path, "crashed", count_steps)
 
 
+def test_a_sigtermed_run_saves_the_step_it_stopped_at_and_resumes_exactly(tmp_path, monkeypatch, count_steps):
+    # Before: a pre-empted job (SIGTERM) stopped without a checkpoint and lost every step since the periodic one
+    # (here: all of them), and exited 0.
+    assert _fit(tmp_path / "straight") == 0
+
+    def sigterm(self, batch, batch_idx):
+        if self.global_step == 3:  # as the signal handler does; Lightning stops at the end of this step
+            self.trainer._signal_connector.received_sigterm = True
+
+    with monkeypatch.context() as patch:
+        patch.setattr(RetrofitModule, "on_train_batch_start", sigterm, raising=False)
+        with pytest.warns(UserWarning, match="stopped by SIGTERM at step 4: saved .*last.ckpt"):
+            assert _fit(tmp_path / "stopped", every=8) == 128 + 15
+    _assert_resumes_like_straight(tmp_path, "stopped", count_steps)
+
+
 def test_checkpoint_for_another_base_is_refused(tmp_path):
     assert _fit(tmp_path, steps=2) == 0
     with pytest.raises(AdapterMismatchError, match=r"different base model \(qwen2_vl.*\(llava"):

@@ -211,7 +211,9 @@ def main(args: Sequence[str] | None = None) -> int:
     if command in LIGHTNING_SUBCOMMANDS:
         try:
             cli = run_lightning(None if args is None else argv)  # None: LightningCLI reads sys.argv itself
-        except SystemExit as exit_:  # --help, --print_config, parse errors
+        except SystemExit as exit_:  # --help, --print_config, parse errors; a run stopped by SIGTERM
+            if type(exit_).__name__ == "SIGTERMException":  # Lightning's, raised with no code: not a success
+                return 128 + 15
             code = exit_.code
             return code if isinstance(code, int) else (0 if code is None else 1)
         stop_reason = getattr(getattr(cli, "model", None), "stop_reason", None)

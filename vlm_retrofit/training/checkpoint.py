@@ -150,3 +150,15 @@ class RetrofitCheckpoint(ModelCheckpoint):
                 self._save_topk_checkpoint(trainer, candidates)
             self._save_last_checkpoint(trainer, candidates)
         super().on_train_end(trainer, pl_module)
+
+    def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", *args: Any,
+                           **kwargs: Any) -> None:
+        super().on_train_batch_end(trainer, pl_module, *args, **kwargs)
+        # A SIGTERM (a pre-empted or time-limited job) makes Lightning stop at the end of this step: save it here,
+        # where the periodic checkpoints are saved (a save from the stop itself would hold a state Lightning does
+        # not resume exactly), or every step since the last periodic checkpoint is lost.
+        if trainer.received_sigterm and self._last_global_step_saved != trainer.global_step and \
+                not self._should_skip_saving_checkpoint(trainer):
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+            rank_zero_warn(f"stopped by SIGTERM at step {trainer.global_step}: saved {self.last_model_path}; "
+                           "`--ckpt_path last` resumes from it")
