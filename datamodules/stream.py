@@ -210,11 +210,34 @@ class EpochLoader(DataLoader):
         self._resume_skip = batches
 
 
+class _TailReader:
+    """A binary stream that remembers how many bytes were read from it and the last `keep` of them."""
+
+    keep = 4 * tarfile.RECORDSIZE  # tarfile reads a stream a record at a time: the end lies within the last two
+
+    def __init__(self, stream: Any) -> None:
+        self.stream, self.read_bytes, self.tail = stream, 0, b""
+
+    def read(self, size: int = -1) -> bytes:
+        data = self.stream.read(size)
+        self.read_bytes += len(data)
+        self.tail = (self.tail + data)[-self.keep:]
+        return data
+
+    def zero_blocks_after(self, offset: int) -> bool:
+        """Whether the two zero blocks that end a tar follow byte `offset` (the rest of the stream is read)."""
+        while self.read_bytes - offset < 2 * tarfile.BLOCKSIZE and self.read(1 << 16):
+            pass
+        start = len(self.tail) - (self.read_bytes - offset)
+        end_blocks = self.tail[start:start + 2 * tarfile.BLOCKSIZE] if start >= 0 else b""
+        return len(end_blocks) == 2 * tarfile.BLOCKSIZE and not end_blocks.strip(b"\0")
+
+
 def read_shards(src: Iterable[dict], counter: SkipCounter) -> Iterator[dict[str, Any]]:
     """`{"url": ...}` -> samples `{"__key__", "__url__", ext: bytes}`; unreadable / truncated shards are counted.
 
-    A truncated shard yields its complete samples; the sample cut by the damage and the rest of the shard are
-    counted once as `truncated_tar`. A shard that fails before its first member (cannot be opened, not a tar,
+    A truncated shard yields its complete samples; the sample cut by the damage (or read last before a cut between
+    files, which may have lost one) and the rest of the shard are counted once as `truncated_tar`. A shard that fails before its first member (cannot be opened, not a tar,
     failing `pipe:` command) counts once as `unreadable_shard`."""
     for item in src:
         url = item["url"]
@@ -225,8 +248,9 @@ def read_shards(src: Iterable[dict], counter: SkipCounter) -> Iterator[dict[str,
             continue
         current: dict[str, Any] | None = None
         members = 0
+        raw = _TailReader(stream)
         try:
-            with tarfile.open(fileobj=stream, mode="r|*") as tar:
+            with tarfile.open(fileobj=raw, mode="r|*") as tar:
                 for member in tar:
                     if not member.isreg():
                         continue
@@ -241,6 +265,10 @@ def read_shards(src: Iterable[dict], counter: SkipCounter) -> Iterator[dict[str,
                         current = {"__key__": key, "__url__": url}
                     current[ext] = tar.extractfile(member).read()
                     members += 1
+                # tarfile ends quietly at a header cut short or garbled after the first member: a tar that ends
+                # without its end-of-archive blocks was cut, and the samples after the cut are lost.
+                if members and not raw.zero_blocks_after(tar.offset):
+                    raise EOFError(f"no end-of-archive marker after byte {tar.offset}: the shard was cut")
             if current is not None:
                 yield current
         except Exception as exn:  # noqa: BLE001 - tarfile.ReadError, EOFError, OSError, pipe status ...

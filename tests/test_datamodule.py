@@ -529,3 +529,23 @@ def test_a_resume_with_another_batch_size_or_worker_count_says_the_epoch_continu
         loader.load_state_dict(saved)  # the same layout: silent
     with pytest.warns(UserWarning, match=r"batch_size 8 -> 4: .*Keep batch_size and num_workers"):
         loader.load_state_dict({**saved, "batch_size": 8})
+
+
+@pytest.mark.parametrize("where", ["at a member boundary", "inside a header"])
+def test_a_shard_cut_between_samples_is_counted_as_truncated(tmp_path, where):
+    # tarfile ends quietly at a header that is missing or cut short: the lost rest of the shard went uncounted.
+    import tarfile
+
+    from vlm_retrofit.datamodules.stream import read_shards
+
+    write_tar(tmp_path / "whole.tar", [(f"k{i:02d}", _good(i)) for i in range(8)])
+    data = (tmp_path / "whole.tar").read_bytes()
+    with tarfile.open(tmp_path / "whole.tar") as tar:
+        fifth = [m for m in tar.getmembers()][8]  # the first file of sample k04
+    cut = fifth.offset + (0 if where == "at a member boundary" else 100)
+    (tmp_path / "cut.tar").write_bytes(data[:cut])
+    # The sample read last before the cut may be incomplete (a file of it may be lost): it goes with the rest.
+    for name, samples, skipped in (("whole.tar", 8, {}), ("cut.tar", 3, {"truncated_tar": 1})):
+        counter = SkipCounter()
+        assert len(list(read_shards([{"url": str(tmp_path / name)}], counter))) == samples
+        assert counter.take()[0] == skipped, name
