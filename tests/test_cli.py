@@ -142,3 +142,39 @@ def test_validate_test_and_predict_from_a_checkpoint(tmp_path, monkeypatch):
     assert main(["validate", *data, "--model.backbone", "tiny:gemma3", "--ckpt_path", last]) == 0
     with pytest.raises(AdapterMismatchError, match=r"different base model \(qwen2_vl.*\(gemma3"):
         main(["validate", *data, "--model.backbone", "tiny:gemma3", "--ckpt_path", "last"])
+
+
+@pytest.mark.parametrize("options, problem", [
+    (["--target-saving", "0.2"], "--target-saving need --skip-policy"),
+    (["--threshold", "0.9"], "--threshold need --skip-policy"),
+    (["--skip-policy", "recent_weight", "--target-saving", "0.2", "--threshold", "0.9"], "not both"),
+    (["--skip-policy", "static", "--threshold", "0.9"], "--skip-policy static reads its settings from a calibration"),
+    (["--skip-policy", "random"], "--skip-policy random needs --target-saving"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
+])
+def test_generate_refuses_skip_options_it_would_ignore_or_override_before_loading_anything(options, problem, capsys):
+    # Before: --target-saving or --threshold without a policy were dropped ("[no skipping]"), a threshold silently
+    # overrode a stored calibration, and random / static failed on settings the command line cannot give.
+    assert main(["generate", "--model", "/nonexistent/release", "--prompt", "Hi", *options]) == 1
+    assert problem in capsys.readouterr().out
+
+
+def test_bad_files_and_settings_are_refused_in_one_line_naming_them(tmp_path, capsys):
+    # Before: KeyError / OSError / PIL tracebacks, or (calibrate --batches 0) "no calibration samples".
+    (tmp_path / "garbage.ckpt").write_bytes(b"\x00not a checkpoint" * 10)
+    (tmp_path / "notimg.png").write_bytes(b"not an image")
+    cases = [
+        (["merge", "--ckpt", str(tmp_path / "garbage.ckpt"), "--output", str(tmp_path / "out")],
+         "garbage.ckpt is not a readable checkpoint"),
+        (["generate", "--model", str(tmp_path / "garbage.ckpt"), "--prompt", "Hi", "--image",
+          str(tmp_path / "notimg.png")], "notimg.png cannot be read"),
+        (["calibrate", "--model", str(tmp_path / "garbage.ckpt"), "--batches", "0"], "--batches must be at least 1"),
+        (["calibrate", "--model", str(tmp_path / "garbage.ckpt"), "--target-saving", "0.2", "1.5"],
+         "fractions between 0 and 1 (got [1.5])"),
+        (["calibrate", "--model", str(tmp_path / "garbage.ckpt")], "garbage.ckpt is not a readable checkpoint"),
+    ]
+    for command, message in cases:
+        assert main(command) == 1, command
+        printed = capsys.readouterr()
+        assert message in printed.out + printed.err, (command, printed)
+    assert not (tmp_path / "out").exists()

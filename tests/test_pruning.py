@@ -162,7 +162,8 @@ def test_pruned_release_commands_and_refusals(trained_removal, tmp_path, capsys)
                  "--compare-base"]) == 0
     out = capsys.readouterr().out
     assert "base model: " in out and re.search(r"agreement with the base's answer: \d/3 tokens; decode \d+\.\d\dx", out)
-    assert main(["generate", "--model", str(tmp_path / "pruned"), "--prompt", "Hi", "--skip-policy", "static"]) == 1
+    assert main(["generate", "--model", str(tmp_path / "pruned"), "--prompt", "Hi", "--skip-policy", "static",
+                 "--target-saving", "0.2"]) == 1
     assert "drop --skip-policy" in capsys.readouterr().out
     assert main(["calibrate", "--model", str(tmp_path / "pruned"), "--policy", "static"]) == 1
     assert "pruned release" in capsys.readouterr().out

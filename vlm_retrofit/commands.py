@@ -61,8 +61,13 @@ def calibrate_main(argv: list[str] | None = None) -> int:
                                                        "for a checkpoint, <name>-adapter beside it)")
     add_trust_remote_code_flag(parser)
     ns = parser.parse_args(argv)
+    bad_targets = [t for t in ns.target_saving if not 0 < t < 1]
+    if bad_targets or ns.batches < 1:
+        print(f"calibrate: --target-saving takes fractions between 0 and 1 (got {bad_targets})" if bad_targets
+              else f"calibrate: --batches must be at least 1, got {ns.batches}")
+        return 1
     from .callbacks import compare_generation, generation_pad_id, prompts_from_batch
-    from .datamodules import WebDatasetDataModule, model_inputs
+    from .datamodules import ShardError, WebDatasetDataModule, model_inputs
 
     source = Path(ns.model)
     loaded = load_trained(source, ns.base, trust_remote_code=ns.trust_remote_code)
@@ -78,7 +83,11 @@ def calibrate_main(argv: list[str] | None = None) -> int:
     data = WebDatasetDataModule(processor=_processor_name(loaded, source), train_shards=ns.shards,
                                 val_shards=ns.shards, batch_size=ns.batch_size, num_workers=0,
                                 add_quality_callback=False)
-    data.setup("validate")
+    try:
+        data.setup("validate")
+    except ShardError as error:  # the datamodule names its own arguments; here both are --shards
+        print(f"calibrate: {str(error).replace('train_shards', '--shards').replace('val_shards', '--shards')}")
+        return 1
     batches = list(islice(iter(data.val_dataloader()), ns.batches))
     if not batches:
         print(f"calibrate: no calibration samples in {ns.shards or 'the synthetic val split'}")
@@ -155,6 +164,31 @@ def _compare_with_base(loaded: Loaded, base: str | None, generate_model, inputs:
           "(batch 1, best of 2 runs each; one prompt, so a rough figure: bench/ measures it properly)")
 
 
+THRESHOLD_POLICIES = ("recent_weight", "gate")
+"""The policies `generate --threshold` sets directly; the others read their settings from a stored calibration."""
+
+
+def _skip_options_problem(ns: argparse.Namespace) -> str | None:
+    """What is wrong with `generate`'s skip options, before anything loads (None: nothing); an option that would be
+    ignored or overridden is refused rather than dropped."""
+    if ns.max_new_tokens < 1:
+        return f"--max-new-tokens must be at least 1, got {ns.max_new_tokens}"
+    given = [f"--{name.replace('_', '-')}" for name in ("target_saving", "threshold", "budget")
+             if getattr(ns, name) is not None]
+    if not ns.skip_policy:
+        return f"{' and '.join(given)} need --skip-policy (which policy skips)" if given else None
+    if ns.threshold is not None and ns.target_saving is not None:
+        return "give --threshold or --target-saving (a stored calibration's thresholds), not both"
+    if ns.threshold is not None and ns.skip_policy not in THRESHOLD_POLICIES:
+        return (f"--threshold sets {' or '.join(THRESHOLD_POLICIES)} thresholds; --skip-policy {ns.skip_policy} reads "
+                "its settings from a calibration: pass --target-saving")
+    if ns.threshold is None and ns.target_saving is None:
+        extra = " or --threshold" if ns.skip_policy in THRESHOLD_POLICIES else ""
+        return (f"--skip-policy {ns.skip_policy} needs --target-saving (a calibration stored by `calibrate --policy "
+                f"{ns.skip_policy}`){extra}")
+    return None
+
+
 def generate_main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m vlm_retrofit generate",
                                      description="Answer one prompt (optionally about an image) with block skipping, "
@@ -175,13 +209,21 @@ def generate_main(argv: list[str] | None = None) -> int:
                              "decode speed against it")
     add_trust_remote_code_flag(parser)
     ns = parser.parse_args(argv)
+    problem = _skip_options_problem(ns)
+    if problem:
+        print(f"generate: {problem}")
+        return 1
     if ns.image is not None and not os.path.isfile(ns.image):
         print(f"generate: image {ns.image} does not exist")
         return 1
     from PIL import Image
 
+    try:
+        image = Image.open(ns.image).convert("RGB") if ns.image else None
+    except (OSError, Image.DecompressionBombError) as error:  # before the model loads
+        print(f"generate: image {ns.image} cannot be read ({type(error).__name__}: {error})")
+        return 1
     loaded = load_trained(Path(ns.model), ns.base, trust_remote_code=ns.trust_remote_code)
-    image = Image.open(ns.image).convert("RGB") if ns.image else None
     try:
         inputs = chat_inputs(loaded.processor, ns.prompt, image)
     except ValueError as error:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pickle
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -81,7 +82,13 @@ def load_checkpoint(path: str | os.PathLike, base: str | None = None, *, trust_r
     """Rebuild the trained model of a Lightning checkpoint written by `RetrofitModule` (no Lightning needed).
     A base recorded with `trust_remote_code` is refused unless `trust_remote_code` (the same in every loader)."""
     path = Path(path)
-    checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, OSError, EOFError, KeyError, ValueError) as error:  # a cut or foreign file
+        raise AdapterMismatchError(f"{path} is not a readable checkpoint ({type(error).__name__}: {error}): a file cut "
+                                   "short or not written by torch.save; use another of the run's step*.ckpt") from error
+    if not isinstance(checkpoint, dict):
+        raise AdapterMismatchError(f"{path} holds a {type(checkpoint).__name__}, not a Lightning checkpoint")
     meta = checkpoint.get(CHECKPOINT_SECTION)
     if meta is None:
         raise AdapterMismatchError(f"{path} was not written by vlm_retrofit's RetrofitModule (no '{CHECKPOINT_SECTION}' section)")
@@ -416,7 +423,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m vlm_retrofit merge",
                                      description="Write a release folder: router adapter, skip calibration, "
                                                  "processor, model card (and optionally full weights).")
-    parser.add_argument("--ckpt", required=True, help="Lightning checkpoint (.ckpt) or router adapter folder")
+    parser.add_argument("--ckpt", required=True, help="Lightning checkpoint (.ckpt), router adapter folder, or a "
+                                                      "release whose LoRA is not merged")
     parser.add_argument("--output", required=True, help="release folder to write (replaced atomically)")
     parser.add_argument("--base", default=None, help="base model (hub id, folder or tiny:<family>); "
                                                      "default: the one the checkpoint names. A different base is refused")
