@@ -290,6 +290,11 @@ def build_shards(
         records, skipped = _jsonl_records(src)
     else:
         raise FileNotFoundError(f"shard builder input {src} is neither a folder nor a JSONL file")
+    if not records:  # before anything is written: an empty manifest would only fail later, at training
+        reasons = sorted({item["reason"] for item in skipped})
+        raise ValueError(f"shard builder input {src} holds no usable sample ({len(skipped)} inputs skipped"
+                         f"{': ' + ', '.join(reasons[:5]) if reasons else ''}); expected images with same-name .txt "
+                         "captions (or .json conversations) in a folder, or a JSONL file of records")
     return write_records(records, output, maxcount, val_fraction, seed, min_val_shards, skipped, str(input))
 
 

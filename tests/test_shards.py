@@ -116,6 +116,12 @@ def test_cli_main(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "train: 5 samples in 3 shards" in printed and "val: 2 samples in 2 shards" in printed
     assert main(["--input", str(tmp_path / "nope"), "--output", str(tmp_path / "x")]) == 2
+    (tmp_path / "empty").mkdir()  # before: exit 0, nothing printed, a manifest of 0 samples that fit refused later
+    (tmp_path / "empty" / "lonely.txt").write_text("a caption without its image")
+    capsys.readouterr()
+    assert main(["--input", str(tmp_path / "empty"), "--output", str(tmp_path / "e")]) == 2
+    assert "holds no usable sample (1 inputs skipped: missing_image)" in capsys.readouterr().out
+    assert not (tmp_path / "e").exists()
     from vlm_retrofit.cli import main as cli_main  # `python -m vlm_retrofit shards ...`
 
     assert cli_main(["shards", "--synthetic", "12", "--output", str(tmp_path / "syn"), "--maxcount", "5"]) == 0
