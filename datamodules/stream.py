@@ -197,7 +197,8 @@ class EpochLoader(DataLoader):
             # The position is a count of batches of each worker's stream: other batches or workers read another
             # stream, so the resumed epoch is not the one an uninterrupted run would have read.
             rank_zero_warn(f"resuming the training stream with {', '.join(f'{k} {a} -> {b}' for k, (a, b) in changed.items())}: "
-                           f"its position ({batches} batches into epoch {epoch}) was counted in the checkpoint's "
+                           f"its position ({batches} batches into epoch {max(0, epoch - 1)}, counting from 0) was "
+                           "counted in the checkpoint's "
                            "batches, so this epoch continues on another stream and its sample count differs from an "
                            "uninterrupted run's. Keep batch_size and num_workers to continue exactly")
         if self.batches_per_epoch and batches >= self.batches_per_epoch:

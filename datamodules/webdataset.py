@@ -317,3 +317,11 @@ class WebDatasetDataModule(pl.LightningDataModule):
 
     def val_dataloader(self):
         return self._loader(self.val_dataset()) if self.val_urls else []
+
+    def test_dataloader(self):
+        """`python -m vlm_retrofit test` reads the validation shards: point `val_shards` at a held-out split."""
+        return self.val_dataloader()
+
+    def predict_dataloader(self):
+        """`python -m vlm_retrofit predict` (per-batch KL and compute) reads the validation shards too."""
+        return self.val_dataloader()

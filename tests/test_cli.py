@@ -144,6 +144,20 @@ def test_validate_test_and_predict_from_a_checkpoint(tmp_path, monkeypatch):
         main(["validate", *data, "--model.backbone", "tiny:gemma3", "--ckpt_path", "last"])
 
 
+def test_test_and_predict_run_on_the_default_datamodule(tmp_path, monkeypatch, capsys):
+    # Before: only validate did; test and predict stopped on Lightning's "test_dataloader must be implemented" with
+    # every shipped config (the test above swaps in a fixed-batch datamodule).
+    monkeypatch.chdir(tmp_path)
+    fast = ["--trainer.enable_progress_bar", "false", "--trainer.limit_val_batches", "1",
+            "--trainer.limit_test_batches", "1", "--trainer.limit_predict_batches", "1", "--data.init_args.num_workers", "0"]
+    assert main(["fit", *fast, "--trainer.max_steps", "1", "--trainer.callbacks.every_n_train_steps", "1"]) == 0
+    last = str(tmp_path / "runs" / "tiny" / "checkpoints" / "last.ckpt")
+    capsys.readouterr()
+    assert main(["test", *fast, "--ckpt_path", last]) == 0
+    assert "test/kl" in capsys.readouterr().out
+    assert main(["predict", *fast, "--ckpt_path", last]) == 0
+
+
 @pytest.mark.parametrize("options, problem", [
     (["--target-saving", "0.2"], "--target-saving need --skip-policy"),
     (["--threshold", "0.9"], "--threshold need --skip-policy"),
