@@ -49,6 +49,7 @@ def test_ddp_trains_a_lora_healing_whose_removed_layers_get_no_gradient(tmp_path
     # The removed layers' LoRA (and the identity routers' blocks) take no part in a step's loss: plain `ddp`
     # refuses a second step unless every trainable parameter is in the graph.
     _fit_on_two_processes(tmp_path, "--model.train_routers", "false", "--model.max_drop_rate", "0",
+                          "--model.compute_target", "null",
                           "--model.lora", '{"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}',
                           "--model.removal_order", "[1, 2]", "--model.max_removed_blocks", "1",
                           "--model.min_removed_blocks", "1")

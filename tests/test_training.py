@@ -543,3 +543,28 @@ def test_save_adapter_replaces_the_folder_whole(tmp_path):
     RetrofitModule(backbone="tiny:llama").save_adapter(adapter)
     assert sorted(p.name for p in adapter.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
     assert [p.name for p in tmp_path.iterdir()] == ["adapter"]  # nothing staged is left beside it
+
+
+@pytest.mark.parametrize("settings, refusal", [
+    ({"compute_target": 1.5}, r"compute_target .* in \(0, 1\]; got 1.5"),
+    ({"compute_target": 0.7, "router": {"skip_gate": False}, "max_drop_rate": 0.3}, "compute_target pulls the learned"),
+    ({"router": {"skip_gate": False}, "max_drop_rate": 0.0}, "nothing makes the routers learn"),
+    ({"router": {"block_size": 4}, "backbone_kwargs": {"num_hidden_layers": 6}}, r"no block may skip: .* \[0, 4\]"),
+])
+def test_runs_that_cannot_train_what_they_say_are_refused_naming_the_setting(settings, refusal):
+    # Before: each trained. A compute penalty with nothing to act on stayed constant; a run without skip pressure,
+    # or with no skippable block, moved the routers by rounding noise only (the KL grew from 0).
+    with pytest.raises(ValueError, match=refusal):
+        RetrofitModule(backbone="tiny:llama", **settings)
+
+
+def test_a_candidate_count_beside_a_removal_schedule_takes_blocks_the_schedule_keeps():
+    # Before: the count took the first blocks of the removal order, the very blocks the schedule removes for every
+    # token, so per-token skipping changed nothing.
+    module = RetrofitModule(backbone="tiny:llama", backbone_kwargs={"num_hidden_layers": 8}, router={"block_size": 1},
+                            removal_order=[3, 5, 2, 6, 1, 4], max_removed_blocks=2, min_removed_blocks=2,
+                            skip_candidates=2, max_drop_rate=0.3)
+    module._set_skip_candidates(2)
+    assert module.adapter.skip_candidates == [2, 6]
+    with pytest.raises(ValueError, match="names a block twice"):
+        module._set_skip_candidates([1, 1])

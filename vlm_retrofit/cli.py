@@ -163,9 +163,11 @@ def _report_fit(trainer, model) -> None:
     total = sum(p.numel() for p in model.parameters())
     lines.append(f"  trainable parameters {trainable:,} of {total:,} ({100 * trainable / max(1, total):.3f} %)")
     if "train/keep_realised" in metrics:
+        candidates = model.adapter.skip_candidates  # the keep ratios are averaged over the blocks that may skip
+        kept_over = f"candidate blocks {list(candidates)}" if candidates else "skippable blocks"
         lines.append(
             f"  last step: KL {metrics.get('train/kl', float('nan')):.4g}, drop rate "
-            f"{metrics.get('train/drop_rate', float('nan')):.2f}, keep ratio of skippable blocks expected "
+            f"{metrics.get('train/drop_rate', float('nan')):.2f}, keep ratio of {kept_over} expected "
             f"{metrics.get('train/keep_expected', float('nan')):.3f} / realised {metrics['train/keep_realised']:.3f}, "
             f"decoder compute realised {metrics.get('train/compute_realised', float('nan')):.3f}"
             + (f" (target {model.hparams.compute_target})" if model.hparams.compute_target is not None else ""))

@@ -374,6 +374,8 @@ def candidate_blocks(adapter: RouterAdapter, batches: list[dict[str, Any]], cand
         chosen = [int(b) for b in candidates]
         if not chosen:
             raise ValueError("candidates is an empty list: name at least one skippable block, or give a count")
+        if len(set(chosen)) != len(chosen):
+            raise ValueError(f"candidates {chosen} names a block twice: name each candidate block once")
         check_skippable_blocks("candidates", chosen, layout)
     return tuple(sorted(set(chosen)))
 

@@ -289,6 +289,20 @@ class RetrofitModule(pl.LightningModule):
             raise ValueError(f"skip_candidates must be a count >= 1 or a list of blocks, got {skip_candidates!r}")
         if max_nonfinite_steps < 1:
             raise ValueError(f"max_nonfinite_steps must be >= 1, got {max_nonfinite_steps}")
+        if compute_target is not None and not 0 < compute_target <= 1:
+            raise ValueError(f"compute_target is the fraction of decoder-block compute to execute, in (0, 1]; got "
+                             f"{compute_target}")
+        gated = bool(use_gates and router_cfg.skip_gate)
+        if compute_target is not None and not (train_routers and gated):
+            raise ValueError("compute_target pulls the learned skip gates toward that compute: it needs "
+                             "router.skip_gate: true, use_gates: true and trained routers (got skip_gate="
+                             f"{router_cfg.skip_gate}, use_gates={use_gates}, train_routers={train_routers}); set "
+                             "compute_target: null otherwise (the penalty would be a constant)")
+        if train_routers and not (gated or max_drop_rate > 0 or max_removed_blocks):
+            raise ValueError("nothing makes the routers learn: at identity the student is the teacher, so the KL and "
+                             "its gradient are zero (what training then moves is rounding noise). Give skip pressure: "
+                             "max_drop_rate > 0, learned skip gates (router.skip_gate and use_gates) with a "
+                             "compute_target, or a removal schedule (max_removed_blocks)")
         self.save_hyperparameters(ignore=["router"])
         self.hparams["router"] = router_cfg.to_dict()  # plain data: YAML- and pickle-friendly
 
@@ -307,6 +321,11 @@ class RetrofitModule(pl.LightningModule):
         copies_trained_in_fp32(self._adapter_switches)  # `modules_to_save` copies of a bf16 backbone train in fp32
         self.processor = processor
         self.adapter = attach_routers(model, router_cfg)
+        if not self.adapter.layout.skippable_blocks:
+            raise ValueError(f"no block may skip: router.block_size {router_cfg.block_size} on "
+                             f"{self.adapter.layout.num_layers} layers makes blocks {list(self.adapter.layout.block_starts)}, "
+                             f"all never-skip ({list(self.adapter.layout.never_skip_blocks)}: the first, the last and "
+                             "any feature-injecting block). Use a smaller block_size")
         if not train_routers:
             self.adapter.requires_grad_(False)  # identity routing, neither trained nor checkpointed
         self.replacements: dict[int, Tensor] | None = None
@@ -465,8 +484,12 @@ class RetrofitModule(pl.LightningModule):
     def _set_skip_candidates(self, candidates: int | list[int], batches: list[dict[str, Any]] | None = None) -> None:
         from ..skipping import candidate_blocks
 
-        self.adapter.skip_candidates = list(candidate_blocks(self.adapter, batches or [], candidates,
-                                                             self.adapter.removal_order))
+        order = self.adapter.removal_order
+        if order is not None and self.hparams.max_removed_blocks:
+            # The schedule removes up to max_removed_blocks blocks of the order for every token: per-token skipping
+            # among those would change nothing, so a count takes the cheapest blocks after them.
+            order = list(order)[int(self.hparams.max_removed_blocks):]
+        self.adapter.skip_candidates = list(candidate_blocks(self.adapter, batches or [], candidates, order))
 
     def _ensure_skip_candidates(self, batch: Mapping[str, Any]) -> None:
         """`skip_candidates: <count>`: the cheapest blocks by removal impact on the first batch seen (rank 0's)."""
@@ -751,6 +774,9 @@ class RetrofitModule(pl.LightningModule):
             if total is None and hp.scheduler != "constant":
                 rank_zero_warn("the number of training steps is unknown (set trainer.max_steps or "
                                "model.total_steps): the learning rate stays constant after warmup")
+        if total is not None and hp.warmup_steps >= total:
+            rank_zero_warn(f"warmup_steps {hp.warmup_steps} >= the run's {total} steps: the learning rate never "
+                           f"reaches lr {hp.lr} and the {hp.scheduler} schedule never starts")
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(hp.scheduler, hp.warmup_steps, total,
                                                                            hp.min_lr_ratio))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1}}
