@@ -284,3 +284,14 @@ def test_a_resume_that_changes_what_the_trained_lora_or_removal_means_is_refused
                                                    rf"{re.escape(str(other))}"):
         fit_config(tmp_path, "tiny-prune-heal.yaml", "--trainer.max_steps", "4", "--model.removal_order",
                    json.dumps(other), "--ckpt_path", "last")
+
+
+def test_a_resume_that_switches_router_training_on_is_refused_naming_train_routers(tmp_path):
+    # Before: refused with a list of missing adapter.* keys and "Router config differences: none".
+    from conftest import fit_config
+
+    fit_config(tmp_path, "tiny-prune-heal.yaml", "--trainer.max_steps", "2")
+    with pytest.raises(AdapterMismatchError, match=r"did not train the routers and this run trains them .*"
+                                                   r"resume with train_routers: false"):
+        fit_config(tmp_path, "tiny-prune-heal.yaml", "--trainer.max_steps", "4", "--model.train_routers", "true",
+                   "--ckpt_path", "last")

@@ -58,6 +58,12 @@ def check_checkpoint(module: "RetrofitModule", checkpoint: dict[str, Any]) -> di
     if missing or unexpected or shapes:
         saved_cfg, cfg = meta.get("router_config"), adapter.config.to_dict()
         differs = {k: (saved_cfg.get(k), cfg.get(k)) for k in cfg if saved_cfg and saved_cfg.get(k) != cfg.get(k)}
+        saved_routers, routers = (any(k.startswith("adapter.") for k in keys) for keys in (state, expected))
+        if saved_routers != routers:  # the likeliest cause, named before the key lists
+            raise AdapterMismatchError(
+                f"this checkpoint {'trained' if saved_routers else 'did not train'} the routers and this run "
+                f"{'trains' if routers else 'does not train'} them (train_routers: {str(routers).lower()}): resume "
+                f"with train_routers: {str(saved_routers).lower()}, or start a new run (fit without --ckpt_path)")
         raise AdapterMismatchError(
             "checkpoint does not match this module's trainable parameters: "
             f"missing {missing[:8]}{' ...' if len(missing) > 8 else ''} ({len(missing)}), "

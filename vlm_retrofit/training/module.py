@@ -298,6 +298,10 @@ class RetrofitModule(pl.LightningModule):
                              "router.skip_gate: true, use_gates: true and trained routers (got skip_gate="
                              f"{router_cfg.skip_gate}, use_gates={use_gates}, train_routers={train_routers}); set "
                              "compute_target: null otherwise (the penalty would be a constant)")
+        if train_routers and router_cfg.skip_gate and not use_gates:
+            rank_zero_warn("router.skip_gate: true with use_gates: false: the skip gates are attached but never "
+                           "sampled, so they stay untrained and the gate policy will not skip on this adapter; set "
+                           "skip_gate: false, or use_gates: true to train them")
         if train_routers and not (gated or max_drop_rate > 0 or max_removed_blocks):
             raise ValueError("nothing makes the routers learn: at identity the student is the teacher, so the KL and "
                              "its gradient are zero (what training then moves is rounding noise). Give skip pressure: "
