@@ -159,8 +159,8 @@ def test_test_and_predict_run_on_the_default_datamodule(tmp_path, monkeypatch, c
 
 
 @pytest.mark.parametrize("options, problem", [
-    (["--target-saving", "0.2"], "--target-saving need --skip-policy"),
-    (["--threshold", "0.9"], "--threshold need --skip-policy"),
+    (["--target-saving", "0.2"], "--target-saving needs --skip-policy"),
+    (["--threshold", "0.9", "--budget", "2"], "--threshold and --budget need --skip-policy"),
     (["--skip-policy", "recent_weight", "--target-saving", "0.2", "--threshold", "0.9"], "not both"),
     (["--skip-policy", "static", "--threshold", "0.9"], "--skip-policy static reads its settings from a calibration"),
     (["--skip-policy", "random"], "--skip-policy random needs --target-saving"),

@@ -176,7 +176,8 @@ def _skip_options_problem(ns: argparse.Namespace) -> str | None:
     given = [f"--{name.replace('_', '-')}" for name in ("target_saving", "threshold", "budget")
              if getattr(ns, name) is not None]
     if not ns.skip_policy:
-        return f"{' and '.join(given)} need --skip-policy (which policy skips)" if given else None
+        verb = "needs" if len(given) == 1 else "need"
+        return f"{' and '.join(given)} {verb} --skip-policy (which policy skips)" if given else None
     if ns.threshold is not None and ns.target_saving is not None:
         return "give --threshold or --target-saving (a stored calibration's thresholds), not both"
     if ns.threshold is not None and ns.skip_policy not in THRESHOLD_POLICIES:
