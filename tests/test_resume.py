@@ -278,6 +278,10 @@ def test_a_resume_that_changes_what_the_trained_lora_or_removal_means_is_refused
         fit_config(tmp_path, "tiny-llava-lora.yaml", "--trainer.max_steps", "4", "--model.lora.lora_alpha", "32",
                    "--ckpt_path", "last")
     fit_config(tmp_path, "tiny-prune-heal.yaml", "--trainer.max_steps", "2")
+    for changed, refusal in ((("--model.removal_order", "span"), "ranked its removal order by 'joint' .* says 'span'"),
+                             (("--model.replace_removed", "true"), "without a linear replacement .* asks for one")):
+        with pytest.raises(AdapterMismatchError, match=refusal):
+            fit_config(tmp_path, "tiny-prune-heal.yaml", "--trainer.max_steps", "4", *changed, "--ckpt_path", "last")
     order = inspect_checkpoint(tmp_path / "runs" / "tiny-prune-heal" / "checkpoints" / "last.ckpt")["removal_order"]
     other = list(reversed(order))
     with pytest.raises(AdapterMismatchError, match=rf"healed removal order {re.escape(str(order))}.* names "

@@ -550,6 +550,9 @@ def test_save_adapter_replaces_the_folder_whole(tmp_path):
     ({"compute_target": 0.7, "router": {"skip_gate": False}, "max_drop_rate": 0.3}, "compute_target pulls the learned"),
     ({"router": {"skip_gate": False}, "max_drop_rate": 0.0}, "nothing makes the routers learn"),
     ({"router": {"block_size": 4}, "backbone_kwargs": {"num_hidden_layers": 6}}, r"no block may skip: .* \[0, 4\]"),
+    ({"compute_target": 0.3, "router": {"skip_gate": True}}, r"compute_target 0.3 is below what always runs: 0.500"),
+    ({"compute_target": 0.7, "router": {"skip_gate": True}, "skip_candidates": [1],
+      "backbone_kwargs": {"num_hidden_layers": 6}}, r"below what always runs: 0.833 .*blocks \[0, 2, 3, 4, 5\] never skip"),
 ])
 def test_runs_that_cannot_train_what_they_say_are_refused_naming_the_setting(settings, refusal):
     # Before: each trained. A compute penalty with nothing to act on stayed constant; a run without skip pressure,

@@ -27,6 +27,8 @@ def checkpoint_metadata(module: "RetrofitModule") -> dict[str, Any]:
     return {
         "format_version": CHECKPOINT_FORMAT,
         "backbone": module.adapter.base_model["name"],  # a local folder as an absolute path (`recorded_name`)
+        # How the removal order was ranked (impact / joint / span), when the run ranked it: a resume keeps it.
+        "removal_order_mode": module.hparams.removal_order if isinstance(module.hparams.removal_order, str) else None,
         "base_fingerprint": dict(module.adapter.fingerprint),
         "router_config": module.adapter.config.to_dict(),
         "layout": module.adapter.layout.to_dict(),

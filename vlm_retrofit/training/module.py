@@ -330,6 +330,19 @@ class RetrofitModule(pl.LightningModule):
                              f"{self.adapter.layout.num_layers} layers makes blocks {list(self.adapter.layout.block_starts)}, "
                              f"all never-skip ({list(self.adapter.layout.never_skip_blocks)}: the first, the last and "
                              "any feature-injecting block). Use a smaller block_size")
+        layout = self.adapter.layout
+        if compute_target is not None:
+            # Blocks that never skip (and, for a candidate list, the blocks outside it) always run: below their
+            # share the penalty can never be met, and it drives every gate shut.
+            always = set(layout.never_skip_blocks)
+            if isinstance(skip_candidates, (list, tuple)):
+                always |= set(layout.skippable_blocks) - {int(b) for b in skip_candidates}
+            floor = len(layout.layers_of_blocks(sorted(always))) / layout.num_layers
+            if compute_target < floor - 1e-9:
+                raise ValueError(f"compute_target {compute_target} is below what always runs: {floor:.3f} of the "
+                                 f"decoder layers (blocks {sorted(always)} never skip). Set compute_target >= "
+                                 f"{floor:.3f}, or allow more blocks to skip (block_size, never_skip_blocks, "
+                                 "skip_candidates)")
         if not train_routers:
             self.adapter.requires_grad_(False)  # identity routing, neither trained nor checkpointed
         self.replacements: dict[int, Tensor] | None = None
@@ -797,6 +810,17 @@ class RetrofitModule(pl.LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         meta = check_checkpoint(self, checkpoint)  # refuses a mismatched checkpoint before anything is loaded
+        if meta.get("replacements") is None and self.hparams.replace_removed:
+            raise AdapterMismatchError(
+                "this checkpoint healed its removal without a linear replacement and this run asks for one "
+                "(replace_removed: true): fitted now, it would change the model under a LoRA trained without it. "
+                "Resume without replace_removed, or start a new run (fit without --ckpt_path)")
+        saved_mode, mode = meta.get("removal_order_mode"), self.hparams.removal_order
+        if isinstance(saved_mode, str) and isinstance(mode, str) and saved_mode != mode:
+            raise AdapterMismatchError(
+                f"this checkpoint ranked its removal order by {saved_mode!r} and this run says {mode!r}: a resumed run "
+                f"keeps the order it started with ({meta.get('removal_order')}). Resume with removal_order: "
+                f"{saved_mode}, or start a new run (fit without --ckpt_path)")
         if meta.get("removal_order") is not None:
             given = self.hparams.removal_order
             if isinstance(given, (list, tuple)) and list(given) != list(meta["removal_order"]):
