@@ -64,8 +64,7 @@ class SkipCounter:
             log.warning("skipped sample %r in shard %s: %s%s%s", key, shard, reason, f" ({detail})" if detail else "",
                         f" [{seen} {reason} skips so far; further ones are counted, every {self.log_every}th logged]"
                         if seen >= self.logged_per_reason else "")
-        total = sum(self._seen.values())
-        if not self.batches_formed and total >= self.no_batch_limit:
+        if not self.batches_formed and (total := sum(self._seen.values())) >= self.no_batch_limit:
             worst = ", ".join(f"{s} ({n})" for s, n in self._shards_seen.most_common(3))
             raise DataQualityError(f"the first {total} samples read were all unusable ({dict(self._seen)}), so no "
                                    f"batch can be formed; shards: {worst}. Check the shards' image and text keys "

@@ -11,7 +11,7 @@ import math
 import random
 import re
 import tarfile
-from collections import Counter
+from collections import Counter, deque
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import webdataset as wds
@@ -196,11 +196,11 @@ class EpochLoader(DataLoader):
         if changed:
             # The position is a count of batches of each worker's stream: other batches or workers read another
             # stream, so the resumed epoch is not the one an uninterrupted run would have read.
-            rank_zero_warn(f"resuming the training stream with {', '.join(f'{k} {a} -> {b}' for k, (a, b) in changed.items())}: "
-                           f"its position ({batches} batches into epoch {max(0, epoch - 1)}, counting from 0) was "
-                           "counted in the checkpoint's "
-                           "batches, so this epoch continues on another stream and its sample count differs from an "
-                           "uninterrupted run's. Keep batch_size and num_workers to continue exactly")
+            what = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items())
+            rank_zero_warn(f"resuming the training stream with {what}: its position ({batches} batches into epoch "
+                           f"{max(0, epoch - 1)}, counting from 0) was counted in the checkpoint's batches, so this "
+                           "epoch continues on another stream and its sample count differs from an uninterrupted "
+                           "run's. Keep batch_size and num_workers to continue exactly")
         if self.batches_per_epoch and batches >= self.batches_per_epoch:
             batches = 0  # saved on the epoch's last batch: the next pass is the next epoch's
         else:
@@ -212,25 +212,32 @@ class EpochLoader(DataLoader):
 
 
 class _TailReader:
-    """A binary stream that remembers how many bytes were read from it and the last `keep` of them."""
+    """A binary stream that remembers how many bytes were read from it and at least the last `keep` of them (as
+    the chunks read: nothing is copied per read)."""
 
     keep = 4 * tarfile.RECORDSIZE  # tarfile reads a stream a record at a time: the end lies within the last two
 
     def __init__(self, stream: Any) -> None:
-        self.stream, self.read_bytes, self.tail = stream, 0, b""
+        self.stream, self.read_bytes = stream, 0
+        self._chunks: deque[bytes] = deque()
+        self._held = 0
 
     def read(self, size: int = -1) -> bytes:
         data = self.stream.read(size)
         self.read_bytes += len(data)
-        self.tail = (self.tail + data)[-self.keep:]
+        self._chunks.append(data)
+        self._held += len(data)
+        while self._held - len(self._chunks[0]) >= self.keep:
+            self._held -= len(self._chunks.popleft())
         return data
 
     def zero_blocks_after(self, offset: int) -> bool:
         """Whether the two zero blocks that end a tar follow byte `offset` (the rest of the stream is read)."""
         while self.read_bytes - offset < 2 * tarfile.BLOCKSIZE and self.read(1 << 16):
             pass
-        start = len(self.tail) - (self.read_bytes - offset)
-        end_blocks = self.tail[start:start + 2 * tarfile.BLOCKSIZE] if start >= 0 else b""
+        tail = b"".join(self._chunks)
+        start = len(tail) - (self.read_bytes - offset)
+        end_blocks = tail[start:start + 2 * tarfile.BLOCKSIZE] if start >= 0 else b""
         return len(end_blocks) == 2 * tarfile.BLOCKSIZE and not end_blocks.strip(b"\0")
 
 
@@ -238,8 +245,9 @@ def read_shards(src: Iterable[dict], counter: SkipCounter) -> Iterator[dict[str,
     """`{"url": ...}` -> samples `{"__key__", "__url__", ext: bytes}`; unreadable / truncated shards are counted.
 
     A truncated shard yields its complete samples; the sample cut by the damage (or read last before a cut between
-    files, which may have lost one) and the rest of the shard are counted once as `truncated_tar`. A shard that fails before its first member (cannot be opened, not a tar,
-    failing `pipe:` command) counts once as `unreadable_shard`."""
+    files, which may have lost one) and the rest of the shard are counted once as `truncated_tar`. A shard that
+    fails before its first member (cannot be opened, not a tar, failing `pipe:` command) counts once as
+    `unreadable_shard`."""
     for item in src:
         url = item["url"]
         try:

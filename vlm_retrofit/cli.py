@@ -214,7 +214,9 @@ def main(args: Sequence[str] | None = None) -> int:
         try:
             cli = run_lightning(None if args is None else argv)  # None: LightningCLI reads sys.argv itself
         except SystemExit as exit_:  # --help, --print_config, parse errors; a run stopped by SIGTERM
-            if type(exit_).__name__ == "SIGTERMException":  # Lightning's, raised with no code: not a success
+            from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+            if isinstance(exit_, SIGTERMException):  # raised with no code: not a success
                 return 128 + 15
             code = exit_.code
             return code if isinstance(code, int) else (0 if code is None else 1)

@@ -85,8 +85,8 @@ def calibrate_main(argv: list[str] | None = None) -> int:
                                 add_quality_callback=False)
     try:
         data.setup("validate")
-    except ShardError as error:  # the datamodule names its own arguments; here both are --shards
-        print(f"calibrate: {str(error).replace('train_shards', '--shards').replace('val_shards', '--shards')}")
+    except ShardError as error:  # the datamodule reads --shards as its train and val shards
+        print(f"calibrate: --shards {ns.shards}: {error}")
         return 1
     batches = list(islice(iter(data.val_dataloader()), ns.batches))
     if not batches:

@@ -318,11 +318,14 @@ def _write_release(loaded: Loaded, directory: Path, merge_lora: bool, full_weigh
             # The release loads as these merged weights: a LoRA on the head or the embeddings changed samples there.
             loaded.adapter.fingerprint = unchanged_fingerprint(loaded.adapter.fingerprint, model)
             if not full_weights:
-                state = model.state_dict()
-                # Copies: safetensors refuses two names of one tensor (tied weights).
-                save_file({k: state[k].detach().to("cpu", copy=True).contiguous() for k in changed},
-                          str(directory / MERGED_LORA),
-                          metadata={"format": "pt"})
+                state, tensors, written = model.state_dict(), {}, set()
+                for key in changed:
+                    tensor = state[key].detach().cpu().contiguous()
+                    if tensor.data_ptr() in written:  # safetensors refuses two names of one tensor (tied weights)
+                        tensor = tensor.clone()
+                    written.add(tensor.data_ptr())
+                    tensors[key] = tensor
+                save_file(tensors, str(directory / MERGED_LORA), metadata={"format": "pt"})
         else:
             model.save_pretrained(directory / "lora")
             lora_mode = "adapter"

@@ -167,17 +167,17 @@ def _partial_rotary_factor(config: Any) -> float:
 def _kv_part(owner: nn.Module, attribute: str, spec_field: str, what: str) -> nn.Module:
     """`owner.<attribute>`, or an error saying which BackboneSpec field names it."""
     part = getattr(owner, attribute, None)
+    if part is not None:
+        return part
     fused = next((name for name in ("qkv_proj", "query_key_value", "c_attn", "Wqkv") if hasattr(owner, name)), None)
-    if part is None and fused:
+    if fused:
         raise TypeError(f"{type(owner).__name__} projects queries, keys and values together ({fused!r}); the kv-only "
                         "cache path of a skipped layer needs separate key and value projections, so this family "
                         "cannot skip blocks")
-    if part is None:
-        raise TypeError(f"{type(owner).__name__} has no {attribute!r} ({what}), which a skipped layer runs to write its "
-                        f"K/V into the cache: register the family with BackboneSpec({spec_field}=...) naming it. "
-                        "Layouts without a separate norm, key and value projection (post-norm layers, fused qkv "
-                        "projections) are not supported")
-    return part
+    raise TypeError(f"{type(owner).__name__} has no {attribute!r} ({what}), which a skipped layer runs to write its "
+                    f"K/V into the cache: register the family with BackboneSpec({spec_field}=...) naming it. "
+                    "Layouts without a separate norm, key and value projection (post-norm layers, fused qkv "
+                    "projections) are not supported")
 
 
 _REGISTRY: dict[str, BackboneSpec] = {}

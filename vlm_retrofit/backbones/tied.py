@@ -22,23 +22,20 @@ def with_tied_partners(model: nn.Module, names: list[str]) -> list[str]:
     return sorted({partner for name in names for partner in groups.get(name, [name])})
 
 
-def untie(model: nn.Module, names: set[str] | list[str]) -> list[str]:
-    """Give each parameter in `names` that is tied to one outside `names` its own copy; returns those untied.
+def untie(model: nn.Module, names: set[str] | list[str]) -> None:
+    """Give each parameter in `names` that is tied to one outside `names` its own copy.
 
     Loading a trained head (a `modules_to_save` copy of `lm_head`) into a base whose head *is* its embedding
     matrix would otherwise write the embeddings too: the trained model had a head of its own and the base's
     embeddings."""
     names = set(names)
-    untied = []
     for name, group in tied_names(model).items():
         if name in names and any(other not in names for other in group):
             owner, _, attribute = name.rpartition(".")
             module = model.get_submodule(owner)
             shared = getattr(module, attribute)
             setattr(module, attribute, nn.Parameter(shared.detach().clone(), requires_grad=shared.requires_grad))
-            untied.append(name)
     record_untied_embeddings(model)
-    return untied
 
 
 def record_untied_embeddings(model: nn.Module) -> None:

@@ -87,7 +87,27 @@ def check_checkpoint(module: "RetrofitModule", checkpoint: dict[str, Any]) -> di
     if meta.get("router_config") != adapter.config.to_dict():
         rank_zero_warn(f"resuming with a different router config than the checkpoint's: saved "
                        f"{meta.get('router_config')}, now {adapter.config.to_dict()}")
+    _check_removal(meta, module.hparams)
     return meta
+
+
+def _check_removal(meta: dict[str, Any], hparams: Any) -> None:
+    """Refuse a resume that would heal another removal than the checkpoint's: a resumed run keeps its order."""
+    start_over = "or start a new run (fit without --ckpt_path)"
+    if meta.get("replacements") is None and hparams.replace_removed:
+        raise AdapterMismatchError(
+            "this checkpoint healed its removal without a linear replacement and this run asks for one "
+            "(replace_removed: true): fitted now, it would change the model under a LoRA trained without it. "
+            f"Resume without replace_removed, {start_over}")
+    saved_order, saved_mode, given = meta.get("removal_order"), meta.get("removal_order_mode"), hparams.removal_order
+    if isinstance(saved_mode, str) and isinstance(given, str) and saved_mode != given:
+        raise AdapterMismatchError(
+            f"this checkpoint ranked its removal order by {saved_mode!r} and this run says {given!r}: a resumed run "
+            f"keeps the order it started with ({saved_order}). Resume with removal_order: {saved_mode}, {start_over}")
+    if saved_order is not None and isinstance(given, (list, tuple)) and list(given) != list(saved_order):
+        raise AdapterMismatchError(
+            f"this checkpoint healed removal order {saved_order} and this run names {list(given)}: a resumed run "
+            f"keeps the removal it started with. Resume without removal_order, {start_over} to heal another removal")
 
 
 LORA_SCALE_FIELDS = frozenset({"lora_alpha", "use_rslora", "use_dora", "alpha_pattern", "rank_pattern"})

@@ -21,7 +21,7 @@ from ..files import write_adapter_folder
 from ..skipping import SkipSimulation
 from ..skipping.calibrate import scored_positions
 from ..skipping.runtime import resolve_budget
-from ..routing import AdapterMismatchError, RouterConfig, attach_routers
+from ..routing import RouterConfig, attach_routers
 from ..backbones.loading import load_backbone, recorded_name
 from ..pruning import layers_removed
 from ..replacement import fit_replacements, output_projection, replacements_applied
@@ -325,12 +325,12 @@ class RetrofitModule(pl.LightningModule):
         copies_trained_in_fp32(self._adapter_switches)  # `modules_to_save` copies of a bf16 backbone train in fp32
         self.processor = processor
         self.adapter = attach_routers(model, router_cfg)
-        if not self.adapter.layout.skippable_blocks:
-            raise ValueError(f"no block may skip: router.block_size {router_cfg.block_size} on "
-                             f"{self.adapter.layout.num_layers} layers makes blocks {list(self.adapter.layout.block_starts)}, "
-                             f"all never-skip ({list(self.adapter.layout.never_skip_blocks)}: the first, the last and "
-                             "any feature-injecting block). Use a smaller block_size")
         layout = self.adapter.layout
+        if not layout.skippable_blocks:
+            raise ValueError(f"no block may skip: router.block_size {router_cfg.block_size} on {layout.num_layers} "
+                             f"layers makes blocks {list(layout.block_starts)}, all never-skip "
+                             f"({list(layout.never_skip_blocks)}: the first, the last and any feature-injecting block). "
+                             "Use a smaller block_size")
         if compute_target is not None:
             # Blocks that never skip (and, for a candidate list, the blocks outside it) always run: below their
             # share the penalty can never be met, and it drives every gate shut.
@@ -810,24 +810,7 @@ class RetrofitModule(pl.LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         meta = check_checkpoint(self, checkpoint)  # refuses a mismatched checkpoint before anything is loaded
-        if meta.get("replacements") is None and self.hparams.replace_removed:
-            raise AdapterMismatchError(
-                "this checkpoint healed its removal without a linear replacement and this run asks for one "
-                "(replace_removed: true): fitted now, it would change the model under a LoRA trained without it. "
-                "Resume without replace_removed, or start a new run (fit without --ckpt_path)")
-        saved_mode, mode = meta.get("removal_order_mode"), self.hparams.removal_order
-        if isinstance(saved_mode, str) and isinstance(mode, str) and saved_mode != mode:
-            raise AdapterMismatchError(
-                f"this checkpoint ranked its removal order by {saved_mode!r} and this run says {mode!r}: a resumed run "
-                f"keeps the order it started with ({meta.get('removal_order')}). Resume with removal_order: "
-                f"{saved_mode}, or start a new run (fit without --ckpt_path)")
         if meta.get("removal_order") is not None:
-            given = self.hparams.removal_order
-            if isinstance(given, (list, tuple)) and list(given) != list(meta["removal_order"]):
-                raise AdapterMismatchError(
-                    f"this checkpoint healed removal order {meta['removal_order']} and this run names {list(given)}: "
-                    "a resumed run keeps the removal it started with. Resume without removal_order, or start a new "
-                    "run (fit without --ckpt_path) to heal another removal")
             self._set_removal_order(meta["removal_order"])  # a resumed run keeps the schedule it started with
         if meta.get("removal_range") is not None:  # what it trained so far counts, with what this run trains
             self.adapter.removal_range = resumed_removal_range(tuple(meta["removal_range"]), self.adapter.removal_range)
