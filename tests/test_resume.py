@@ -263,6 +263,10 @@ def test_a_run_given_another_root_keeps_its_checkpoints_there_and_resumes_from_t
     assert inspect_checkpoint(tmp_path / "runs" / "tiny-llava-lora" / "checkpoints" / "last.ckpt")["global_step"] == 2
     assert inspect_checkpoint(tmp_path / "runs" / "other" / "checkpoints" / "last.ckpt")["global_step"] == 3
     assert (tmp_path / "runs" / "other" / "adapter").is_dir()
+    # Its logs (and the config Lightning saves beside them) follow it too; they went to the config's folder.
+    assert (tmp_path / "runs" / "other" / "logs" / "version_0" / "metrics.csv").is_file()
+    assert (tmp_path / "runs" / "other" / "logs" / "version_0" / "config.yaml").is_file()
+    assert [p.name for p in (tmp_path / "runs" / "tiny-llava-lora" / "logs").iterdir()] == ["version_0"]
     count_steps.clear()  # the config logs to a CSV logger: Lightning alone would look for `last` in its version folder
     fit_config(tmp_path, "tiny-llava-lora.yaml", "--trainer.max_steps", "5", *other, "--ckpt_path", "last")
     assert count_steps == [3, 4]
@@ -299,3 +303,18 @@ def test_a_resume_that_switches_router_training_on_is_refused_naming_train_route
                                                    r"resume with train_routers: false"):
         fit_config(tmp_path, "tiny-prune-heal.yaml", "--trainer.max_steps", "4", "--model.train_routers", "true",
                    "--ckpt_path", "last")
+
+
+def test_the_run_logger_follows_the_root_it_is_given_and_refuses_to_guess(tmp_path):
+    from types import SimpleNamespace
+
+    from vlm_retrofit.training import RunCSVLogger
+
+    unresolved = RunCSVLogger()
+    with pytest.raises(RuntimeError, match="use_run_folder"):  # rather than writing under the current folder
+        unresolved.experiment
+    unresolved.use_run_folder(SimpleNamespace(default_root_dir=tmp_path / "run"))
+    assert unresolved.log_dir == str(tmp_path / "run" / "logs" / "version_0")
+    named = RunCSVLogger(save_dir=tmp_path / "mine", name=None)
+    named.use_run_folder(SimpleNamespace(default_root_dir=tmp_path / "run"))
+    assert named.log_dir == str(tmp_path / "mine" / "version_0")

@@ -96,9 +96,8 @@ def _usage() -> str:
 def _lightning_cli_class():
     from jsonargparse import lazy_instance
     from lightning.pytorch.cli import LightningCLI
-    from lightning.pytorch.loggers import CSVLogger
 
-    from .training import RetrofitCheckpoint, RetrofitModule
+    from .training import RetrofitCheckpoint, RetrofitModule, RunCSVLogger
 
     class RetrofitCLI(LightningCLI):
         """LightningCLI with the built-in default run and the backbone -> processor, model -> data seed links."""
@@ -116,15 +115,16 @@ def _lightning_cli_class():
                                        "init_args": dict(GENERATION_CALLBACK_DEFAULTS)},
                                       {"class_path": "vlm_retrofit.training.RetrofitCheckpoint",
                                        "init_args": dict(CHECKPOINT_DEFAULTS)}],
-                "trainer.logger": lazy_instance(CSVLogger, save_dir=RUN_DIR, name="logs"),
+                "trainer.logger": lazy_instance(RunCSVLogger, name="logs"),
             })
 
         def instantiate_trainer(self, **kwargs: Any):
             trainer = super().instantiate_trainer(**kwargs)
-            # Before `--ckpt_path last` is looked up (Lightning does that before any callback's setup).
-            for callback in trainer.checkpoint_callbacks:
-                if isinstance(callback, RetrofitCheckpoint):
-                    callback.use_run_folder(trainer)
+            # Before `--ckpt_path last` is looked up (Lightning does that before any callback's setup), and before
+            # the loggers make their folders: checkpoints and logs follow `--trainer.default_root_dir`.
+            for part in [*trainer.checkpoint_callbacks, *trainer.loggers]:
+                if isinstance(part, (RetrofitCheckpoint, RunCSVLogger)):
+                    part.use_run_folder(trainer)
             return trainer
 
         def after_fit(self) -> None:

@@ -4,12 +4,14 @@ from .checkpoint import CHECKPOINT_KEY, RetrofitCheckpoint, inspect_checkpoint
 from .data import FixedBatchDataModule
 from .losses import compute_penalty, distillation_kl, drop_rate_at, routing_entropy
 from .module import RetrofitModule
+from .run_logger import RunCSVLogger
 
 __all__ = [
     "CHECKPOINT_KEY",
     "FixedBatchDataModule",
     "RetrofitCheckpoint",
     "RetrofitModule",
+    "RunCSVLogger",
     "compute_penalty",
     "distillation_kl",
     "drop_rate_at",
