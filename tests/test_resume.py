@@ -318,3 +318,19 @@ def test_the_run_logger_follows_the_root_it_is_given_and_refuses_to_guess(tmp_pa
     named = RunCSVLogger(save_dir=tmp_path / "mine", name=None)
     named.use_run_folder(SimpleNamespace(default_root_dir=tmp_path / "run"))
     assert named.log_dir == str(tmp_path / "mine" / "version_0")
+
+
+def test_resuming_by_last_where_only_other_checkpoints_exist_is_refused_not_started_over(tmp_path, count_steps):
+    # With `trainer.callbacks` listing no checkpoint callback, Lightning's own saved `epoch=0-step=2.ckpt` into a new
+    # version folder each run, and `--ckpt_path last` started over from step 0 with a warning.
+    no_callbacks = ("--trainer.callbacks", "null")
+    assert _fit(tmp_path / "run", *no_callbacks, steps=2) == 0
+    saved = list((tmp_path / "run" / "checkpoints").glob("*.ckpt"))
+    assert [p.name for p in saved] == ["epoch=0-step=2.ckpt"]
+    count_steps.clear()
+    with pytest.raises(FileNotFoundError, match=r"no last\.ckpt in .*epoch=0-step=2\.ckpt"):
+        _fit(tmp_path / "run", *no_callbacks, "--ckpt_path", "last", steps=4)
+    assert count_steps == []
+    assert _fit(tmp_path / "run", *no_callbacks, "--ckpt_path", str(saved[0]), steps=4) == 0
+    assert count_steps == [2, 3]
+    assert _fit(tmp_path / "fresh", "--ckpt_path", "last", steps=1) == 0  # a first run: nothing to miss

@@ -97,7 +97,10 @@ def _lightning_cli_class():
     from jsonargparse import lazy_instance
     from lightning.pytorch.cli import LightningCLI
 
-    from .training import RetrofitCheckpoint, RetrofitModule, RunCSVLogger
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from .training import RetrofitModule, RunCSVLogger
+    from .training.checkpoint import check_nothing_to_resume_is_missed, use_run_folder
 
     class RetrofitCLI(LightningCLI):
         """LightningCLI with the built-in default run and the backbone -> processor, model -> data seed links."""
@@ -122,10 +125,18 @@ def _lightning_cli_class():
             trainer = super().instantiate_trainer(**kwargs)
             # Before `--ckpt_path last` is looked up (Lightning does that before any callback's setup), and before
             # the loggers make their folders: checkpoints and logs follow `--trainer.default_root_dir`.
-            for part in [*trainer.checkpoint_callbacks, *trainer.loggers]:
-                if isinstance(part, (RetrofitCheckpoint, RunCSVLogger)):
-                    part.use_run_folder(trainer)
+            # Lightning's own checkpoint callback (taken when `trainer.callbacks` lists none) included.
+            for callback in trainer.checkpoint_callbacks:
+                if isinstance(callback, ModelCheckpoint):
+                    use_run_folder(callback, trainer)
+            for logger in trainer.loggers:
+                if isinstance(logger, RunCSVLogger):
+                    logger.use_run_folder(trainer)
             return trainer
+
+        def before_fit(self) -> None:
+            if self.config_init[self.subcommand].get("ckpt_path") == "last":
+                check_nothing_to_resume_is_missed(self.trainer)
 
         def after_fit(self) -> None:
             _report_fit(self.trainer, self.model)

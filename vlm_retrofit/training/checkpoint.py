@@ -148,6 +148,31 @@ def inspect_checkpoint(path: str | Path) -> dict[str, Any]:
     return meta
 
 
+def use_run_folder(callback: ModelCheckpoint, trainer: "pl.Trainer") -> None:
+    """Give a checkpoint callback without a `dirpath` the run's folder, `<trainer.default_root_dir>/checkpoints`."""
+    if callback.dirpath is None:
+        callback.dirpath = os.path.realpath(os.path.join(trainer.default_root_dir, "checkpoints"))
+
+
+def check_nothing_to_resume_is_missed(trainer: "pl.Trainer") -> None:
+    """Refuse `--ckpt_path last` where no `last.ckpt` exists but the checkpoint folders hold other checkpoints.
+
+    Lightning then starts from step 0 with a warning: right for a first run, wrong for a run whose checkpoint
+    callback does not save `last.ckpt` (Lightning's own default, taken when `trainer.callbacks` lists none).
+    """
+    callbacks = [c for c in trainer.checkpoint_callbacks if isinstance(c, ModelCheckpoint)]
+    if any(c._find_last_checkpoints(trainer) for c in callbacks):
+        return
+    found = sorted((p for c in callbacks if c.dirpath and os.path.isdir(c.dirpath) for p in Path(c.dirpath).glob("*.ckpt")),
+                   key=lambda p: p.stat().st_mtime)
+    if found:
+        raise FileNotFoundError(
+            f"--ckpt_path last: no last.ckpt in {', '.join(sorted({str(p.parent) for p in found}))}, which holds "
+            f"{len(found)} other checkpoint(s), the newest {found[-1]}; resuming would start over from step 0. "
+            "Give that file as --ckpt_path, and a checkpoint callback with save_last: true (as "
+            "vlm_retrofit.training.RetrofitCheckpoint, the default, has) to resume by `last`")
+
+
 class RetrofitCheckpoint(ModelCheckpoint):
     """`ModelCheckpoint` that also saves when training ends on a step it has not saved yet.
 
@@ -164,8 +189,7 @@ class RetrofitCheckpoint(ModelCheckpoint):
 
     def use_run_folder(self, trainer: "pl.Trainer") -> None:
         """Take `<trainer.default_root_dir>/checkpoints` as the folder, unless one was given."""
-        if self.dirpath is None:
-            self.dirpath = os.path.realpath(os.path.join(trainer.default_root_dir, "checkpoints"))
+        use_run_folder(self, trainer)
 
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         self.use_run_folder(trainer)
