@@ -21,7 +21,7 @@ from webdataset.filters import _shuffle
 from webdataset.utils import pytorch_worker_info
 
 from .formatting import ChatFormatter, Example
-from .quality import SkipCounter
+from .quality import DataQualityError, SkipCounter
 from .samples import Skip, decode_sample
 
 class ShardError(ValueError):
@@ -165,11 +165,13 @@ class EpochLoader(DataLoader):
     resumed run does not replay its epoch from the top."""
 
     def __init__(self, *args: Any, consumed: Callable[[], int] | None = None, batches_per_epoch: int | None = None,
-                 samples_per_batch: int | None = None, **kwargs: Any) -> None:
+                 samples_per_batch: int | None = None, required: str | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.consumed, self.batches_per_epoch = consumed, batches_per_epoch
         self.samples_per_batch = samples_per_batch
         """The pipeline's batch size (it batches itself: the loader's own `batch_size` is None)."""
+        self.required = required
+        """What a pass must yield a batch of (e.g. "val_shards"); a pass that yields none raises `DataQualityError`."""
         self._resume_skip = 0
 
     def __iter__(self):
@@ -181,7 +183,18 @@ class EpochLoader(DataLoader):
         for _ in range(skip):  # read and dropped: what follows depends on them (shuffle buffer, shard order)
             if next(iterator, None) is None:
                 break
-        return iterator
+        return iterator if self.required is None else self._checked(iterator)
+
+    def _checked(self, iterator: Iterator[Any]) -> Iterator[Any]:
+        # Skips travel inside batches, so a pass whose every sample was unusable reports nothing and would end as
+        # an empty validation: KL and keep ratios simply missing, the command exiting 0.
+        yielded = 0
+        for batch in iterator:
+            yielded += 1
+            yield batch
+        if not yielded:
+            raise DataQualityError(f"{self.required} yielded no batch: every sample was unusable (the warnings above "
+                                   "name shard, key and reason) or the shards hold none. Fix or replace those shards")
 
     def state_dict(self) -> dict[str, int]:
         state = getattr(self.dataset, "epoch_state", None)

@@ -316,7 +316,7 @@ class WebDatasetDataModule(pl.LightningDataModule):
                             samples_per_batch=self.batch_size)
 
     def val_dataloader(self):
-        return self._loader(self.val_dataset()) if self.val_urls else []
+        return self._loader(self.val_dataset(), required="val_shards") if self.val_urls else []
 
     def test_dataloader(self):
         """`python -m vlm_retrofit test` reads the validation shards: point `val_shards` at a held-out split."""

@@ -44,7 +44,7 @@ def _good(i: int) -> dict:
 
 @pytest.fixture(scope="module")
 def bad_shards(tmp_path_factory):
-    """4 shards: 16 usable samples (incl. odd modes and a text-only conversation) + one of each bad kind."""
+    """4 shards: 13 usable samples (incl. odd modes and a text-only conversation) + one of each bad kind."""
     d = tmp_path_factory.mktemp("bad")
     good, i = [], 0
 
@@ -113,6 +113,21 @@ def test_bad_samples_skipped_and_counted(bad_shards, caplog, batch_size):
     assert any(urls[3] in m and "truncated_tar" in m for m in lines)
     assert sum(b["num_samples"] for b in batches) == len(good)
 
+
+def test_validation_of_shards_with_no_usable_sample_is_refused_not_empty(tmp_path, bad_shards):
+    # Skips travel inside batches: a validation pass whose every sample was unusable reported nothing, and
+    # `python -m vlm_retrofit validate` ended with no metrics and exit status 0.
+    write_tar(tmp_path / "v0.tar", [(f"bad{i}", {"png": _img(), "txt": b"   "}) for i in range(3)])
+    write_tar(tmp_path / "v1.tar", [("noimage", {"txt": b"lost image"})])
+    urls, usable, _ = bad_shards
+    for workers in (0, 2):
+        dm = _dm([str(tmp_path / "v0.tar"), str(tmp_path / "v1.tar")], num_workers=workers)
+        dm.setup("validate")
+        with pytest.raises(DataQualityError, match="val_shards yielded no batch"):
+            list(dm.val_dataloader())
+    good = _dm(urls)
+    good.setup("validate")
+    assert sum(b["num_samples"] for b in good.val_dataloader()) == len(usable)  # a pass with batches is untouched
 
 
 def test_training_stream_delivers_every_skip_it_counts(tmp_path):
