@@ -10,6 +10,7 @@ import itertools
 import math
 import random
 import re
+import signal
 import tarfile
 from collections import Counter, deque
 from typing import Any, Callable, Iterable, Iterator, Mapping
@@ -154,6 +155,12 @@ class MixedSources(IterableDataset):
                 return
             sample["__source__"] = i
             yield sample
+
+
+def ignore_ctrl_c(worker_id: int) -> None:
+    """DataLoader workers leave Ctrl-C to the main process: it stops training at the end of the step and saves it
+    (`RetrofitCheckpoint`), which needs the workers that serve the step; they end with the loader."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 class EpochLoader(DataLoader):

@@ -24,6 +24,7 @@ from .stream import (
     ShardError,
     Stages,
     batches_per_worker,
+    ignore_ctrl_c,
     train_pipeline,
     val_pipeline,
 )
@@ -292,7 +293,8 @@ class WebDatasetDataModule(pl.LightningDataModule):
 
     def _loader(self, dataset, **resumable: Any) -> EpochLoader:
         return EpochLoader(dataset, batch_size=None, num_workers=self.num_workers, pin_memory=self.pin_memory,
-                           persistent_workers=self.persistent_workers and self.num_workers > 0, **resumable)
+                           persistent_workers=self.persistent_workers and self.num_workers > 0,
+                           worker_init_fn=ignore_ctrl_c if self.num_workers > 0 else None, **resumable)
 
     def _batches_trained_this_epoch(self) -> int:
         # At a checkpoint (saved on a training batch's end) `processed` counts that batch too.

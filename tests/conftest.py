@@ -16,6 +16,16 @@ def _seed():
     torch.manual_seed(0)
 
 
+@pytest.fixture(autouse=True)
+def _ctrl_c_handler_given_back():
+    """Every run gives Ctrl-C back as it found it (`RetrofitCheckpoint` handles it during training)."""
+    import signal
+
+    before = signal.getsignal(signal.SIGINT)
+    yield
+    assert signal.getsignal(signal.SIGINT) is before, "a run left its Ctrl-C handler installed"
+
+
 def fit_config(run_dir, config: str, *overrides: str) -> None:
     """A short `python -m vlm_retrofit fit --config configs/<config>` in `run_dir` (its runs/ land there)."""
     from pathlib import Path

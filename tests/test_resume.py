@@ -199,6 +199,51 @@ def test_a_sigtermed_run_saves_the_step_it_stopped_at_and_resumes_exactly(tmp_pa
     _assert_resumes_like_straight(tmp_path, "stopped", count_steps)
 
 
+def _ctrl_c_at(step):
+    def on_train_batch_start(self, batch, batch_idx):
+        if self.global_step == step:
+            os.kill(os.getpid(), signal.SIGINT)  # a real Ctrl-C: the handler runs in the middle of this step
+    return on_train_batch_start
+
+
+def test_a_run_stopped_by_ctrl_c_saves_the_step_it_stopped_at_and_resumes_exactly(tmp_path, monkeypatch, count_steps):
+    # Before: Ctrl-C struck inside a step; Lightning stopped there and saved nothing since the periodic checkpoint.
+    assert _fit(tmp_path / "straight") == 0
+    with monkeypatch.context() as patch:
+        patch.setattr(RetrofitModule, "on_train_batch_start", _ctrl_c_at(3), raising=False)
+        with pytest.warns(UserWarning, match="stopped by Ctrl-C at step 4: saved .*last.ckpt"):
+            assert _fit(tmp_path / "stopped", every=8) == 128 + 2
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # given back after the run
+    _assert_resumes_like_straight(tmp_path, "stopped", count_steps)
+
+
+CTRL_C_SCRIPT = """
+import os, signal, sys
+from vlm_retrofit.cli import main
+from vlm_retrofit.training import RetrofitModule
+
+def ctrl_c(self, batch, batch_idx):
+    if self.global_step == 2:
+        os.killpg(0, signal.SIGINT)  # as a terminal does: to every process of the group, data workers included
+
+RetrofitModule.on_train_batch_start = ctrl_c
+sys.exit(main(["fit", "--trainer.max_steps", "8", "--trainer.limit_val_batches", "0",
+               "--trainer.enable_progress_bar", "false", "--data.num_workers", "1"]))
+"""
+
+
+def test_ctrl_c_at_a_terminal_leaves_the_data_workers_to_the_run(tmp_path):
+    # A worker took the Ctrl-C too: it ran the main process's handler (a second "stopping" line), or, started
+    # otherwise than by fork, died under the step the main process was finishing.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, "-c", CTRL_C_SCRIPT], cwd=tmp_path, capture_output=True, text=True,
+                            timeout=300, env=env, start_new_session=True)  # its own group: the signal stays in it
+    assert result.returncode == 128 + 2, result.stderr[-2000:]
+    assert result.stderr.count("Ctrl-C: stopping at the end of this step") == 1, result.stderr[-2000:]
+    assert "stopped by Ctrl-C at step 3" in result.stderr
+    assert inspect_checkpoint(tmp_path / "runs" / "tiny" / "checkpoints" / "last.ckpt")["global_step"] == 3
+
+
 def test_checkpoint_for_another_base_is_refused(tmp_path):
     assert _fit(tmp_path, steps=2) == 0
     with pytest.raises(AdapterMismatchError, match=r"different base model \(qwen2_vl.*\(llava"):

@@ -231,6 +231,9 @@ def main(args: Sequence[str] | None = None) -> int:
                 return 128 + 15
             code = exit_.code
             return code if isinstance(code, int) else (0 if code is None else 1)
+        trainer = getattr(cli, "trainer", None)
+        if any(getattr(callback, "interrupted", False) for callback in getattr(trainer, "callbacks", [])):
+            return 128 + 2  # stopped by Ctrl-C (the step it stopped at saved): not a success either
         stop_reason = getattr(getattr(cli, "model", None), "stop_reason", None)
         if stop_reason:
             print(stop_reason, file=sys.stderr)

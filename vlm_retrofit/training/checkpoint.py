@@ -4,6 +4,9 @@ never loses the final steps."""
 from __future__ import annotations
 
 import os
+import signal
+import sys
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -185,7 +188,15 @@ class RetrofitCheckpoint(ModelCheckpoint):
     from it. (Lightning's own default is the logger's version folder, where `--ckpt_path last` of the next
     version would not look.) `python -m vlm_retrofit` sets it as the trainer is built, before `--ckpt_path last`
     is looked up; in a trainer of your own it is set at setup.
+
+    Stopping saves too: a SIGTERM (Lightning stops at the end of the step) or a first Ctrl-C during `fit`, which
+    this callback turns into the same stop at the end of the step (`interrupted`); a second Ctrl-C stops at once,
+    unsaved, as Lightning does. A Ctrl-C handler of your own is left alone.
     """
+
+    interrupted = False
+    """Whether a Ctrl-C stopped this callback's last `fit`."""
+    _previous_sigint: Any = None
 
     def use_run_folder(self, trainer: "pl.Trainer") -> None:
         """Take `<trainer.default_root_dir>/checkpoints` as the folder, unless one was given."""
@@ -195,7 +206,35 @@ class RetrofitCheckpoint(ModelCheckpoint):
         self.use_run_folder(trainer)
         super().setup(trainer, pl_module, stage)
 
+    def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        # Here, not at fit start: Lightning takes every signal handler it finds when training starts back at its
+        # teardown, which would re-install this one after the run.
+        super().on_train_start(trainer, pl_module)
+        self.interrupted = False
+        if threading.current_thread() is threading.main_thread() and \
+                signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            self._previous_sigint = signal.signal(signal.SIGINT, lambda signum, frame: self._on_ctrl_c(trainer))
+
+    def _on_ctrl_c(self, trainer: "pl.Trainer") -> None:
+        if self.interrupted:
+            raise KeyboardInterrupt  # the second one: Lightning's own interrupt, nothing saved
+        self.interrupted = True
+        trainer.should_stop = True
+        if trainer.is_global_zero:
+            print("\nCtrl-C: stopping at the end of this step and saving it (Ctrl-C again stops at once, unsaved)",
+                  file=sys.stderr, flush=True)
+
+    def _restore_sigint(self) -> None:
+        if self._previous_sigint is not None:
+            signal.signal(signal.SIGINT, self._previous_sigint)
+            self._previous_sigint = None
+
+    def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
+        self._restore_sigint()
+        super().on_exception(trainer, pl_module, exception)
+
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._restore_sigint()
         if not self._should_skip_saving_checkpoint(trainer):
             candidates = self._monitor_candidates(trainer)
             if self.monitor is None or self.monitor in candidates:
@@ -206,11 +245,12 @@ class RetrofitCheckpoint(ModelCheckpoint):
     def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", *args: Any,
                            **kwargs: Any) -> None:
         super().on_train_batch_end(trainer, pl_module, *args, **kwargs)
-        # A SIGTERM (a pre-empted or time-limited job) makes Lightning stop at the end of this step: save it here,
-        # where the periodic checkpoints are saved (a save from the stop itself would hold a state Lightning does
-        # not resume exactly), or every step since the last periodic checkpoint is lost.
-        if trainer.received_sigterm and self._last_global_step_saved != trainer.global_step and \
-                not self._should_skip_saving_checkpoint(trainer):
+        # A SIGTERM (a pre-empted or time-limited job) or a Ctrl-C makes Lightning stop at the end of this step: save
+        # it here, where the periodic checkpoints are saved (a save from the stop itself would hold a state Lightning
+        # does not resume exactly), or every step since the last periodic checkpoint is lost.
+        if (trainer.received_sigterm or self.interrupted) and self._last_global_step_saved != trainer.global_step \
+                and not self._should_skip_saving_checkpoint(trainer):
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
-            rank_zero_warn(f"stopped by SIGTERM at step {trainer.global_step}: saved {self.last_model_path}; "
+            cause = "SIGTERM" if trainer.received_sigterm else "Ctrl-C"
+            rank_zero_warn(f"stopped by {cause} at step {trainer.global_step}: saved {self.last_model_path}; "
                            "`--ckpt_path last` resumes from it")
