@@ -334,3 +334,37 @@ def test_written_files_are_as_readable_as_the_umask_makes_any_file(trained, tmp_
              for p in (tmp_path / "release").rglob("*") if p.is_file()}
     assert modes["release/router/adapter_model.safetensors"] == 0o644
     assert set(modes.values()) == {0o644}, modes
+
+
+def test_an_incomplete_damaged_or_foreign_release_is_refused_naming_the_file_before_loading(trained, tmp_path, capsys):
+    # Before: a release without its LoRA file loaded as the base without the LoRA, silently; a truncated weights
+    # file or a missing folder failed inside safetensors / the hub client naming neither.
+    _, adapter_dir = trained
+    for name, options in {"adapter": {}, "merged": {"merge_lora": True}, "full": {"full_weights": True}}.items():
+        merge(adapter_dir, tmp_path / name, verify=False, **options)
+    damaged = {"adapter": ["lora/adapter_model.safetensors", "router/adapter_model.safetensors", "processor"],
+               "merged": ["merged_lora.safetensors"], "full": ["model/config.json"]}
+    for name, removed in damaged.items():
+        for part in removed:
+            broken = tmp_path / f"{name}-without-{part.replace('/', '-')}"
+            shutil.copytree(tmp_path / name, broken)
+            (shutil.rmtree if (broken / part).is_dir() else os.unlink)(broken / part)
+            with pytest.raises(FileNotFoundError, match=rf"incomplete: {part} missing"):
+                load_release(broken)
+    cut = tmp_path / "cut"
+    shutil.copytree(tmp_path / "full", cut)
+    weights = next((cut / "model").glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[:-100])
+    with pytest.raises(FileNotFoundError, match=rf"model/{weights.name} is damaged"):
+        load_release(cut)
+    assert main(["generate", "--model", str(cut), "--prompt", "hi"]) == 1  # one line, no traceback
+    assert "is damaged" in capsys.readouterr().err
+    newer = tmp_path / "newer"
+    shutil.copytree(tmp_path / "adapter", newer)
+    config = json.loads((newer / "release_config.json").read_text())
+    (newer / "release_config.json").write_text(json.dumps({**config, "format_version": 2}))
+    with pytest.raises(AdapterMismatchError, match="release format 2, newer than this vlm_retrofit reads"):
+        load_release(newer)
+    with pytest.raises(AdapterMismatchError, match="carries its own full weights .* Drop --base"):
+        load_release(tmp_path / "full", base="tiny:qwen2_vl")
+    load_release(tmp_path / "adapter")  # the intact ones load

@@ -26,6 +26,24 @@ def atomic_write(path: Path, write: Callable[[str], object]) -> None:
         raise
 
 
+def check_complete(folder: Path, required: list[str], what: str) -> None:
+    """Refuse a `folder` missing any of its `required` files, or holding a safetensors file cut short or damaged,
+    before anything loads: the loaders' own errors name neither (e.g. "Repo id must be in the form ...")."""
+    from safetensors import SafetensorError, safe_open
+
+    missing = [name for name in required if not (folder / name).exists()]
+    if missing:
+        raise FileNotFoundError(f"{what} {folder} is incomplete: {', '.join(missing)} missing. Copy the whole folder "
+                                "again")
+    for path in sorted(folder.rglob("*.safetensors")):
+        try:
+            with safe_open(str(path), framework="pt"):
+                pass
+        except (SafetensorError, OSError) as error:
+            raise FileNotFoundError(f"{what} {folder}: {path.relative_to(folder)} is damaged ({error}): cut short by "
+                                    "a copy or download, or not a safetensors file. Copy it again") from error
+
+
 def check_replaceable(output: Path) -> None:
     """Refuse an `output` that replacing whole would lose files this package did not write: anything but a missing
     or empty folder, or an adapter or release folder (its config file at the top)."""

@@ -13,7 +13,7 @@ from torch import nn
 
 from .backbones.loading import half_precision, weights_in_fp32
 from .backbones.registry import BackboneSpec, unwrap_model
-from .release import RELEASE_CONFIG, RELEASE_FORMAT, Loaded, real_logits, save_full_weights
+from .release import RELEASE_CONFIG, RELEASE_FORMAT, RELEASE_FORMAT_VERSION, Loaded, real_logits, save_full_weights
 from .replacement import check_replacements, fold_replacements
 from .routing import RouterAdapter, RouterConfig, attach_routers
 from .skipping.calibrate import static_prefix, untrained_removal
@@ -199,7 +199,7 @@ def write_pruned_release(loaded: Loaded, model: nn.Module, directory: Path, prun
     base_model["attn_implementation"] = base_model.get("attn_implementation") or unwrap_model(model).config._attn_implementation
     config = {
         "format": RELEASE_FORMAT,
-        "format_version": 1,
+        "format_version": RELEASE_FORMAT_VERSION,
         "base_model": base_model,
         "base_fingerprint": loaded.adapter.fingerprint,  # of the unpruned base it was merged from
         "full_weights": True,

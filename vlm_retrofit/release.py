@@ -17,12 +17,14 @@ from torch import nn
 from .backbones import base_fingerprint, unchanged_fingerprint, unwrap_model
 from .backbones.loading import RELEASE_CONFIG, half_precision, load_backbone, load_processor, looks_like_a_folder
 from .backbones.tied import record_untied_embeddings, untie, with_tied_partners
-from .files import staged_folder
+from .files import check_complete, staged_folder
 from .routing import AdapterMismatchError, RouterAdapter, RouterConfig, attach_routers, check_fingerprint
 from .replacement import load_replacements
-from .routing.adapter import CONFIG_NAME, read_adapter_config
+from .routing.adapter import CONFIG_NAME, WEIGHTS_NAME, read_adapter_config
 
 RELEASE_FORMAT = "vlm_retrofit.release"
+RELEASE_FORMAT_VERSION = 1
+"""The newest release layout this code reads and the one it writes."""
 CHECKPOINT_SECTION = "vlm_retrofit"  # the training module's checkpoint key (not imported: it pulls in Lightning)
 MERGED_LORA = "merged_lora.safetensors"
 VERIFY_ATOL = 1e-4
@@ -128,6 +130,10 @@ def load_checkpoint(path: str | os.PathLike, base: str | None = None, *, trust_r
 def load_adapter_folder(path: str | os.PathLike, base: str | None = None, *, trust_remote_code: bool = False) -> Loaded:
     """Load base + routers (+ `lora/` if present) from an adapter folder written by `save_pretrained`."""
     path = Path(path)
+    required = [CONFIG_NAME, WEIGHTS_NAME]
+    if (path / "lora").is_dir():
+        required += ["lora/adapter_config.json", "lora/adapter_model.safetensors"]
+    check_complete(path, required, "adapter")
     saved = read_adapter_config(path)
     model, processor, base_model = _load_base(saved.get("base_model") or {}, base, str(path), trust_remote_code)
     check_fingerprint(saved["base_fingerprint"], base_fingerprint(model), source=f"adapter {path}")
@@ -142,11 +148,39 @@ def load_adapter_folder(path: str | os.PathLike, base: str | None = None, *, tru
     return Loaded(model.eval(), processor, adapter, base_model, lora, "adapter", load_replacements(path))
 
 
+def read_release_config(directory: Path) -> dict[str, Any]:
+    """The release config of `directory`, after checking that every file it makes the release need is there."""
+    path = directory / RELEASE_CONFIG
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise FileNotFoundError(f"{path} is missing or unreadable ({type(error).__name__}: {error}): not a release "
+                                "folder, or one copied in part") from error
+    if not isinstance(config, dict) or config.get("format") != RELEASE_FORMAT:
+        raise AdapterMismatchError(f"{path} is not a vlm_retrofit release")
+    if int(config.get("format_version", 1)) > RELEASE_FORMAT_VERSION:
+        raise AdapterMismatchError(f"{path} is release format {config['format_version']}, newer than this vlm_retrofit "
+                                   f"reads ({RELEASE_FORMAT_VERSION}): upgrade vlm_retrofit")
+    required = ["processor"]
+    if config.get("full_weights"):
+        required.append("model/config.json")
+    if not config.get("pruned"):
+        required += [f"router/{CONFIG_NAME}", f"router/{WEIGHTS_NAME}"]
+    if config.get("lora") == "adapter":
+        required += ["lora/adapter_config.json", "lora/adapter_model.safetensors"]
+    elif config.get("lora") == "merged" and not config.get("full_weights"):
+        required.append(MERGED_LORA)
+    # Without them the release loads as another model: the base without its LoRA, or without its routers.
+    check_complete(directory, required, "release")
+    return config
+
+
 def _load_release(directory: Path, trust_remote_code: bool = False, torch_dtype: str | None = None,
                   base: str | None = None) -> Loaded:
-    config = json.loads((directory / RELEASE_CONFIG).read_text())
-    if config.get("format") != RELEASE_FORMAT:
-        raise ValueError(f"{directory / RELEASE_CONFIG} is not a vlm_retrofit release")
+    config = read_release_config(directory)
+    if base is not None and config.get("full_weights"):
+        raise AdapterMismatchError(f"release {directory} carries its own full weights (model/): a base to load "
+                                   f"({base!r}) applies only to a release without them. Drop --base / base=")
     base_model = config["base_model"]
     if torch_dtype is not None:
         base_model = {**base_model, "torch_dtype": torch_dtype}
@@ -190,7 +224,7 @@ def load_release(directory: str | os.PathLike, *, trust_remote_code: bool = Fals
 
 def summarize_pruning(directory: str | os.PathLike) -> str:
     """One line on what a pruned release removed (read from its release config)."""
-    pruned = json.loads((Path(directory) / RELEASE_CONFIG).read_text())["pruned"]
+    pruned = read_release_config(Path(directory))["pruned"]
     return (f"decoder layers {pruned['removed_layers']} of {pruned['num_layers_before']} deleted at merge: "
             f"{100 * pruned['layer_compute_removed']:.1f} % of decoder-layer compute saved on every token")
 
@@ -339,7 +373,7 @@ def _write_release(loaded: Loaded, directory: Path, merge_lora: bool, full_weigh
     base_model["attn_implementation"] = base_model["attn_implementation"] or unwrap_model(model).config._attn_implementation
     config = {
         "format": RELEASE_FORMAT,
-        "format_version": 1,
+        "format_version": RELEASE_FORMAT_VERSION,
         "base_model": base_model,
         "base_fingerprint": loaded.adapter.fingerprint,
         "full_weights": bool(full_weights),
