@@ -7,7 +7,7 @@ import torch
 from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Phi3Config, Phi3ForCausalLM,
                           StableLmConfig, StableLmForCausalLM)
 
-from vlm_retrofit import BackboneSpec, RouterConfig, attach_routers, get_adapter, register_backbone
+from vlm_retrofit import BackboneSpec, RouterAdapter, RouterConfig, attach_routers, get_adapter, register_backbone
 from vlm_retrofit.backbones import (base_fingerprint, image_positions, resolve, supported_model_types,
                                    unchanged_fingerprint)
 from vlm_retrofit.backbones.registry import evenly_spaced, unregister_backbone
@@ -79,6 +79,28 @@ def test_a_registered_plug_in_family_gets_exact_routers():
             register_backbone("toy_llama", BackboneSpec())
         assert check_identity(model, inputs) <= 1e-4
         assert check_skip_consistency(model, {k: v[:1] for k, v in inputs.items()}) <= 1e-4
+    finally:
+        unregister_backbone("toy_llama")
+
+
+def test_routers_saved_under_one_registration_are_refused_under_another_that_moves_their_layout(tmp_path):
+    # The registration is not saved with the adapter: a process that registered the family without its never-skip
+    # layers loaded the routers silently, and they then skipped blocks they were trained never to skip.
+    model = ToyForCausalLM(ToyConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=5,
+                                     num_attention_heads=4, num_key_value_heads=2)).eval()
+    register_backbone("toy_llama", BackboneSpec(never_skip_layers=lambda config: [2]))
+    try:
+        adapter = attach_routers(model, RouterConfig())
+        assert adapter.layout.skippable_blocks == (1, 3)
+        adapter.save_pretrained(tmp_path / "adapter")
+        adapter.detach()
+        register_backbone("toy_llama", BackboneSpec(), overwrite=True)
+        with pytest.raises(AdapterMismatchError, match=r"skippable_blocks: saved \[1, 3\] vs now \[1, 2, 3\].*"
+                                                       r"never_skip_layers"):
+            RouterAdapter.from_pretrained(model, tmp_path / "adapter")
+        assert get_adapter(model) is None  # refused before anything was attached
+        register_backbone("toy_llama", BackboneSpec(never_skip_layers=lambda config: [2]), overwrite=True)
+        assert RouterAdapter.from_pretrained(model, tmp_path / "adapter").layout.skippable_blocks == (1, 3)
     finally:
         unregister_backbone("toy_llama")
 

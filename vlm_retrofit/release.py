@@ -20,7 +20,7 @@ from .backbones.tied import record_untied_embeddings, untie, with_tied_partners
 from .files import check_complete, staged_folder
 from .routing import AdapterMismatchError, RouterAdapter, RouterConfig, attach_routers, check_fingerprint
 from .replacement import load_replacements
-from .routing.adapter import CONFIG_NAME, WEIGHTS_NAME, read_adapter_config
+from .routing.adapter import CONFIG_NAME, WEIGHTS_NAME, check_layout, read_adapter_config
 
 RELEASE_FORMAT = "vlm_retrofit.release"
 RELEASE_FORMAT_VERSION = 1
@@ -107,6 +107,7 @@ def load_checkpoint(path: str | os.PathLike, base: str | None = None, *, trust_r
 
         model = get_peft_model(model, LoraConfig(**lora))
     adapter = attach_routers(model, RouterConfig.from_dict(meta["router_config"]))
+    check_layout(meta.get("layout"), adapter.layout, source=f"checkpoint {path}")
     state = checkpoint["state_dict"]
     router_state = {k.removeprefix("adapter."): v for k, v in state.items() if k.startswith("adapter.")}
     trained_routers = any(k.startswith("adapter.") for k in meta.get("trainable_keys", state))

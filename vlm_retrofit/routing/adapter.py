@@ -362,6 +362,7 @@ class RouterAdapter(nn.Module):
         fingerprint = base_fingerprint(model if base is None else base)
         check_fingerprint(saved["base_fingerprint"], fingerprint, source=str(directory))
         adapter = cls(model, RouterConfig.from_dict(saved["router_config"]))
+        check_layout(saved.get("layout"), adapter.layout, source=str(directory))
         adapter.fingerprint = fingerprint  # the unmerged base's where `base` is given
         state = load_file(str(directory / WEIGHTS_NAME))
         expected = adapter.state_dict()
@@ -418,6 +419,22 @@ def read_adapter_config(directory: str | os.PathLike) -> dict[str, Any]:
     if saved.get("format_version", 0) > FORMAT_VERSION:
         raise AdapterMismatchError(f"{path} was written by a newer vlm_retrofit (format {saved['format_version']})")
     return saved
+
+
+def check_layout(saved: Mapping[str, Any] | None, layout: BlockLayout, *, source: str) -> None:
+    """Refuse routers trained on another block layout than the one they would run with here: the same router
+    config gives another one where the backbone's registration differs (`BackboneSpec.never_skip_layers`), and
+    the routers would then skip blocks they were trained never to skip."""
+    if saved is None:  # written before layouts were recorded
+        return
+    now = layout.to_dict()
+    differing = {k: (saved.get(k), v) for k, v in now.items() if saved.get(k) != v}
+    if differing:
+        details = "; ".join(f"{k}: saved {a} vs now {b}" for k, (a, b) in differing.items())
+        raise AdapterMismatchError(
+            f"{source} was trained with another block layout than its router config gives on this backbone "
+            f"({details}): the backbone is registered differently here (BackboneSpec.never_skip_layers). Register it "
+            "as it was when the routers were trained")
 
 
 def check_fingerprint(saved: dict[str, Any], actual: dict[str, Any], *, source: str) -> None:
