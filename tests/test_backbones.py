@@ -59,6 +59,51 @@ def test_unsupported_model_is_refused_with_the_way_forward():
     assert "'gpt2'" in message and "register_backbone" in message and "qwen2_vl" in message
 
 
+def test_an_unsupported_folder_is_refused_in_one_line_before_its_weights_load(tmp_path, monkeypatch, capsys):
+    # Before: fit loaded the whole model first (minutes for a 7B), then failed with a LightningCLI traceback.
+    import transformers
+
+    from vlm_retrofit.cli import main
+
+    GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64)).save_pretrained(tmp_path / "gpt2")
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("the weights were loaded")
+
+    for auto in ("AutoModelForImageTextToText", "AutoModelForCausalLM"):
+        monkeypatch.setattr(getattr(transformers, auto), "from_pretrained", no_weights)
+    assert main(["fit", "--model.backbone", str(tmp_path / "gpt2"), "--trainer.max_steps", "1"]) == 1
+    err = capsys.readouterr().err
+    assert "fit refused: model_type 'gpt2' is not a supported backbone" in err and "entry point" in err
+
+
+def test_an_installed_plug_in_registers_its_family_where_it_is_first_needed(monkeypatch):
+    # The command line, and every process that loads an adapter or release, cannot call register_backbone: an
+    # installed package's entry point does it for them.
+    from importlib.metadata import EntryPoint
+
+    import vlm_retrofit.backbones.registry as registry
+
+    entries = [EntryPoint("toy", f"{__name__}:register_toy", registry.PLUGIN_GROUP)]
+    monkeypatch.setattr("importlib.metadata.entry_points",
+                        lambda group=None: [e for e in entries if e.group == group])
+    monkeypatch.setattr(registry, "_plugins_loaded", False)
+    model = ToyForCausalLM(ToyConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                     num_attention_heads=4, num_key_value_heads=2)).eval()
+    try:
+        assert resolve(model) is registry._REGISTRY["toy_llama"] and "toy_llama" in supported_model_types()
+    finally:
+        unregister_backbone("toy_llama")
+    entries[:] = [EntryPoint("broken", "no_such_module_here:register", registry.PLUGIN_GROUP)]
+    monkeypatch.setattr(registry, "_plugins_loaded", False)
+    with pytest.raises(RuntimeError, match="plug-in 'broken'.*failed to load: ModuleNotFoundError"):
+        resolve(model)
+
+
+def register_toy():
+    register_backbone("toy_llama", BackboneSpec())
+
+
 class ToyConfig(LlamaConfig):
     model_type = "toy_llama"
 

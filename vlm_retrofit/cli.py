@@ -231,6 +231,13 @@ def main(args: Sequence[str] | None = None) -> int:
                 return 128 + 15
             code = exit_.code
             return code if isinstance(code, int) else (0 if code is None else 1)
+        except Exception as error:
+            from .backbones import UnsupportedBackboneError
+
+            if not isinstance(error, UnsupportedBackboneError):
+                raise
+            print(f"{command} refused: {error}", file=sys.stderr)  # said before any weight loaded
+            return 1
         trainer = getattr(cli, "trainer", None)
         if any(getattr(callback, "interrupted", False) for callback in getattr(trainer, "callbacks", [])):
             return 128 + 2  # stopped by Ctrl-C (the step it stopped at saved): not a success either
@@ -247,11 +254,12 @@ def main(args: Sequence[str] | None = None) -> int:
     except SystemExit as exit_:  # argparse --help / errors
         status = exit_.code
     except Exception as error:
+        from .backbones import UnsupportedBackboneError
         from .routing.adapter import AdapterMismatchError
 
-        # What the user gave does not fit (a missing or moved file, an adapter for another base): said in one line,
-        # before any work, as merge does; anything else is a bug worth its traceback.
-        if not isinstance(error, (FileNotFoundError, FileExistsError, AdapterMismatchError)):
+        # What the user gave does not fit (a missing or moved file, an adapter for another base, an unregistered
+        # family): said in one line, before any work, as merge does; anything else is a bug worth its traceback.
+        if not isinstance(error, (FileNotFoundError, FileExistsError, AdapterMismatchError, UnsupportedBackboneError)):
             raise
         print(f"{command} refused: {error}", file=sys.stderr)
         return 1

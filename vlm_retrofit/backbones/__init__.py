@@ -1,8 +1,10 @@
 """Backbone specs: a registry keyed by HF `model_type`, and the families supported out of the box."""
 
 from .registry import (
+    PLUGIN_GROUP,
     AttentionParts,
     BackboneSpec,
+    UnsupportedBackboneError,
     base_fingerprint,
     differing_weights,
     image_positions,
@@ -10,6 +12,7 @@ from .registry import (
     model_type_of,
     register_backbone,
     resolve,
+    spec_for,
     supported_model_types,
     unregister_backbone,
     unchanged_fingerprint,
@@ -19,8 +22,10 @@ from .registry import (
 from . import families  # noqa: F401  (registers the built-in families)
 
 __all__ = [
+    "PLUGIN_GROUP",
     "AttentionParts",
     "BackboneSpec",
+    "UnsupportedBackboneError",
     "base_fingerprint",
     "differing_weights",
     "image_positions",
@@ -28,6 +33,7 @@ __all__ = [
     "model_type_of",
     "register_backbone",
     "resolve",
+    "spec_for",
     "supported_model_types",
     "unregister_backbone",
     "unchanged_fingerprint",

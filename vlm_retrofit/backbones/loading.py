@@ -11,6 +11,8 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from .registry import spec_for
+
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
 
@@ -151,11 +153,16 @@ def load_backbone(name: str, *, trust_remote_code: bool = False, torch_dtype: st
         load_kw["dtype"] = dtype
     if attn_implementation:
         load_kw["attn_implementation"] = attn_implementation
+    config_kw = {k: v for k, v in kwargs.items() if k == "revision"}
     if model_class:
-        model = _import(model_class).from_pretrained(name, **load_kw)
+        model_class_ = _import(model_class)  # importing it may register its family
+        config_class = getattr(model_class_, "config_class", None)
+        if getattr(config_class, "model_type", ""):
+            spec_for(config_class.model_type)
+        model = model_class_.from_pretrained(name, **load_kw)
     else:
-        config = transformers.AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code,
-                                                         **{k: v for k, v in kwargs.items() if k == "revision"})
+        config = transformers.AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code, **config_kw)
+        spec_for(config.model_type)  # an unsupported family is refused before its weights load (minutes for a 7B)
         try:
             model = transformers.AutoModelForImageTextToText.from_pretrained(name, config=config, **load_kw)
         except ValueError:

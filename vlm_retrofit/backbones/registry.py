@@ -193,8 +193,39 @@ def register_backbone(model_type: str, spec: BackboneSpec, *, overwrite: bool = 
     return spec
 
 
+PLUGIN_GROUP = "vlm_retrofit.backbones"
+"""Entry-point group of installed packages that register backbone families: each entry point names a module (its
+import registers) or a function (called with no arguments), loaded once, when a family is not found. This is how
+a family of your own reaches `python -m vlm_retrofit` and every process that loads its adapters and releases."""
+
+_plugins_loaded = False
+
+
+class UnsupportedBackboneError(ValueError):
+    """A model family without a registered `BackboneSpec`."""
+
+
+def load_plugins() -> None:
+    """Load the `PLUGIN_GROUP` entry points of the installed packages (once per process)."""
+    global _plugins_loaded
+    if _plugins_loaded:
+        return
+    _plugins_loaded = True
+    from importlib.metadata import entry_points
+
+    for entry in entry_points(group=PLUGIN_GROUP):
+        try:
+            loaded = entry.load()
+            if callable(loaded):
+                loaded()
+        except Exception as error:  # a broken plug-in is named, not mistaken for a missing family
+            raise RuntimeError(f"the backbone plug-in {entry.name!r} ({entry.value}, entry point group "
+                               f"{PLUGIN_GROUP!r}) failed to load: {type(error).__name__}: {error}") from error
+
+
 def supported_model_types() -> list[str]:
-    """The `model_type`s with a registered spec, sorted."""
+    """The `model_type`s with a registered spec (installed plug-ins included), sorted."""
+    load_plugins()
     return sorted(_REGISTRY)
 
 
@@ -202,17 +233,25 @@ def model_type_of(model: nn.Module) -> str:
     return unwrap_model(model).config.model_type
 
 
-def resolve(model: nn.Module) -> BackboneSpec:
-    """The spec for `model` (a HF model or a `peft` wrapper of one); refuses unknown families clearly."""
-    model_type = model_type_of(model)
+def spec_for(model_type: str) -> BackboneSpec:
+    """The spec registered for `model_type` (installed plug-ins included); refuses unknown families clearly."""
     spec = _REGISTRY.get(model_type)
     if spec is None:
-        raise ValueError(
+        load_plugins()
+        spec = _REGISTRY.get(model_type)
+    if spec is None:
+        raise UnsupportedBackboneError(
             f"model_type {model_type!r} is not a supported backbone. Supported: {', '.join(supported_model_types())}. "
-            "To add a family, call vlm_retrofit.backbones.register_backbone(model_type, BackboneSpec(...)) "
+            "To add a family, call vlm_retrofit.backbones.register_backbone(model_type, BackboneSpec(...)) in the "
+            f"process, or from an installed package's {PLUGIN_GROUP!r} entry point for the command line "
             "(see docs/backbones.md)."
         )
     return spec
+
+
+def resolve(model: nn.Module) -> BackboneSpec:
+    """The spec for `model` (a HF model or a `peft` wrapper of one); refuses unknown families clearly."""
+    return spec_for(model_type_of(model))
 
 
 # Keys of a text config that describe how a model is run or saved, not what it computes.
