@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Phi3Config, Phi3ForCausalLM,
-                          StableLmConfig, StableLmForCausalLM)
+                          SmolLM3Config, SmolLM3ForCausalLM, StableLmConfig, StableLmForCausalLM)
 
 from vlm_retrofit import BackboneSpec, RouterAdapter, RouterConfig, attach_routers, get_adapter, register_backbone
 from vlm_retrofit.backbones import (base_fingerprint, image_positions, resolve, supported_model_types,
@@ -168,6 +168,32 @@ def test_a_plug_in_family_whose_kv_path_cannot_run_passes_identity_and_fails_the
         assert get_adapter(model) is None  # the check leaves the model as it was given
     finally:
         unregister_backbone(family)
+
+
+def test_a_plug_in_family_with_layers_that_rotate_no_keys_skips_consistently():
+    # SmolLM3's `no_rope_layers`: the kv-only path rotated the keys of its last layer, which the layer itself does
+    # not, and generation under skipping silently differed from the no-cache reference.
+    model = SmolLM3ForCausalLM(SmolLM3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                             num_attention_heads=4, num_key_value_heads=2, pad_token_id=0,
+                                             eos_token_id=1, bos_token_id=2, no_rope_layers=[1, 0, 1, 0])).eval()
+    with torch.no_grad():  # larger keys make a wrong rotation show far above the check's tolerance
+        for layer in model.model.layers:
+            layer.self_attn.k_proj.weight.mul_(8)
+    inputs = {"input_ids": torch.randint(3, 64, (1, 7)), "attention_mask": torch.ones(1, 7, dtype=torch.long)}
+    register_backbone("smollm3", BackboneSpec(never_skip_layers=lambda config: [0]))  # let layer 1 skip
+    try:
+        assert check_identity(model, inputs) <= 1e-4
+        assert check_skip_consistency(model, inputs) <= 1e-4
+    finally:
+        unregister_backbone("smollm3")
+
+
+def test_a_key_norm_under_another_name_than_the_spec_says_is_refused_by_name():
+    model, _ = tiny_vlm("qwen3_vl")  # its attention has `k_norm`
+    spec = BackboneSpec(k_norm_attr="key_norm")
+    with pytest.raises(TypeError, match=r"has 'k_norm', which looks like a per-head key norm.*k_norm_attr='k_norm'"):
+        spec.attention_parts(resolve(model).get_layers(model)[0])
+    assert BackboneSpec(k_norm_attr=None).attention_parts(resolve(model).get_layers(model)[0]).k_norm is None
 
 
 def test_fingerprint_is_stable_and_tells_bases_apart():

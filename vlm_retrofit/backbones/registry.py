@@ -34,6 +34,20 @@ def _no_layers(config: Any) -> Sequence[int]:
     return ()
 
 
+def _default_uses_rotary(attention: nn.Module) -> bool:
+    # SmolLM3, Llama 4 and Mistral Large 4 set `use_rope` per layer (their `no_rope_layers`).
+    return bool(getattr(attention, "use_rope", True))
+
+
+def _no_rotary(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor]:
+    return q, k
+
+
+# Names under which attention modules keep a per-head key norm: one found where the spec names another is refused,
+# since a skipped layer would otherwise write unnormalised keys.
+KEY_NORM_NAMES = ("k_norm", "k_layernorm", "key_norm", "key_layernorm", "k_ln", "qk_norm")
+
+
 # Config attributes under which the families keep the ids of placeholder tokens that carry visual features.
 IMAGE_TOKEN_ATTRS = ("image_token_id", "image_token_index", "video_token_id", "video_token_index")
 
@@ -96,6 +110,10 @@ class BackboneSpec:
     """Per-head key norm (Qwen3, Gemma3); ignored where the attention module has none."""
     rotary_fn: Callable | None = None
     """`apply_rotary_pos_emb(q, k, cos, sin)`; None = the one in the attention class's modeling module."""
+    uses_rotary: Callable[[nn.Module], bool] = _default_uses_rotary
+    """Whether a layer's attention module rotates its keys (default: its `use_rope`, else True). Families with
+    layers that do not (Cohere 2's full-attention layers: `lambda attention: attention.sliding_window is not None`)
+    say so here; a skipped layer then writes its keys unrotated, as the layer itself does."""
     text_config: Callable[[Any], Any] = _default_text_config
     """Maps the top-level config to the language model's config."""
     never_skip_layers: Callable[[Any], Sequence[int]] = _no_layers
@@ -128,7 +146,17 @@ class BackboneSpec:
     def attention_parts(self, layer: nn.Module) -> AttentionParts:
         attention = _kv_part(layer, self.attention_attr, "attention_attr", "the self-attention module")
         k_norm = getattr(attention, self.k_norm_attr, None) if self.k_norm_attr else None
-        rotary_fn = self.rotary_fn
+        if k_norm is None and self.k_norm_attr:
+            other = next((n for n in KEY_NORM_NAMES if isinstance(getattr(attention, n, None), nn.Module)), None)
+            if other:
+                raise TypeError(f"{type(attention).__name__} has {other!r}, which looks like a per-head key norm, "
+                                f"and no {self.k_norm_attr!r}, the one the spec names: a skipped layer would write "
+                                f"unnormalised keys. Register the family with BackboneSpec(k_norm_attr={other!r}), "
+                                "or k_norm_attr=None if it is not one the keys pass through")
+        if not self.uses_rotary(attention):
+            rotary_fn = _no_rotary
+        else:
+            rotary_fn = self.rotary_fn
         partial = _partial_rotary_factor(getattr(attention, "config", None))
         if rotary_fn is None and partial < 1:
             # The modeling module's apply_rotary_pos_emb rotates whole heads; its attention splits them first.

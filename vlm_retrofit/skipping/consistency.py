@@ -52,5 +52,19 @@ def check_skip_consistency(model: nn.Module, inputs: Mapping[str, Any], config: 
     difference = (torch.stack(cached.logits, 1) - torch.stack(reference.logits, 1)).abs().max().item()
     if not torch.equal(cached.sequences, reference.sequences) or not difference <= atol:
         raise AssertionError(f"skipping with the KV cache generates other logits than without it (max difference "
-                             f"{difference:.3g}): the kv-only path writes wrong K/V for this family")
+                             f"{difference:.3g}): the kv-only path writes wrong K/V for this family. It ran "
+                             f"{_kv_path(model)}; check these against the attention's forward (BackboneSpec "
+                             "input_norm_attr, k_norm_attr, rotary_fn, uses_rotary)")
     return difference
+
+
+def _kv_path(model) -> str:
+    """What the kv-only path runs in each layer, in words (a differing layer stands out)."""
+    spec = resolve(model)
+    described = []
+    for index, layer in enumerate(spec.get_layers(model)):
+        parts = spec.attention_parts(layer)
+        norm = type(parts.k_norm).__name__ if parts.k_norm is not None else "no key norm"
+        rotary = getattr(parts.rotary_fn, "__qualname__", repr(parts.rotary_fn))
+        described.append(f"layer {index}: {type(parts.input_norm).__name__}, {norm}, {rotary}")
+    return "; ".join(described)
