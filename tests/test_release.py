@@ -277,7 +277,15 @@ def test_calibrate_merge_generate_commands(trained, tmp_path, capsys):
     # A complete adapter folder: the LoRA goes with the routers, or the release below would be merged without it.
     assert _files(tmp_path / "calibrated" / "lora") == _files(adapter_dir / "lora")
     assert main(["merge", "--ckpt", str(tmp_path / "calibrated"), "--output", str(tmp_path / "release")]) == 0
-    assert "recent_weight | 0.20" in (tmp_path / "release" / "README.md").read_text()
+    card = (tmp_path / "release" / "README.md").read_text()
+    # Beside the calibration batches' figure, what generating saved (it quoted the first only, which overstated it).
+    generating = saved["calibration_metrics"]["recent_weight"]["0.2000"]["generation_compute_saved"]
+    assert f"| {generating:.3f} |" in card and "compute saved generating" in card
+    assert 'skipping("recent_weight", target_saving=0.20)' in card  # the example runs what was calibrated
+    # Calibrating the release in place quotes the new calibration in its card (it stayed "Not calibrated" / stale).
+    assert main(["calibrate", "--model", str(tmp_path / "release"), "--target-saving", "0.3", "--batches", "2",
+                 "--no-skip-image-positions"]) == 0
+    assert "recent_weight | 0.30" in (tmp_path / "release" / "README.md").read_text()
     Image.new("RGB", (40, 40), (250, 20, 20)).save(tmp_path / "red.png")
     capsys.readouterr()
     assert main(["generate", "--model", str(tmp_path / "release"), "--image", str(tmp_path / "red.png"),

@@ -12,7 +12,8 @@ from typing import Any
 import torch
 
 from .files import check_replaceable, write_adapter_folder
-from .release import Loaded, add_trust_remote_code_flag, load_base_model, load_trained, summarize_pruning
+from .release import (Loaded, add_trust_remote_code_flag, load_base_model, load_trained, refresh_model_card,
+                      summarize_pruning)
 from .skipping import POLICIES, SkipController, calibrate
 
 
@@ -110,6 +111,8 @@ def calibrate_main(argv: list[str] | None = None) -> int:
               f"token match {100 * metrics['skip/token_match']:.1f} %, ROUGE-L {metrics['skip/rouge_l']:.3f}")
     if in_place:
         adapter.save_pretrained(output)
+        if loaded.kind == "release":  # its model card quotes the calibration
+            refresh_model_card(source, loaded)
     else:
         write_adapter_folder(output, adapter, loaded.model if loaded.lora else None, loaded.replacement)
     print(f"calibration stored with the adapter in {output}")

@@ -17,7 +17,7 @@ from torch import nn
 from .backbones import base_fingerprint, unchanged_fingerprint, unwrap_model
 from .backbones.loading import RELEASE_CONFIG, half_precision, load_backbone, load_processor, looks_like_a_folder
 from .backbones.tied import record_untied_embeddings, untie, with_tied_partners
-from .files import check_complete, staged_folder
+from .files import atomic_write, check_complete, staged_folder
 from .routing import AdapterMismatchError, RouterAdapter, RouterConfig, attach_routers, check_fingerprint
 from .replacement import load_replacements
 from .routing.adapter import CONFIG_NAME, WEIGHTS_NAME, check_layout, read_adapter_config
@@ -287,6 +287,9 @@ def real_logits(model: nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
 
 def _model_card(loaded: Loaded, config: dict[str, Any]) -> str:
     adapter = loaded.adapter
+    lora = {"adapter": "a PEFT LoRA, applied on load, in `lora/`",
+            "merged": "merged into the weights in `model/`" if config["full_weights"] else
+                      f"merged: the weights it changed, in `{MERGED_LORA}`, replace the base's on load"}
     lines = [
         f"# {config['base_model']['name']} + vlm_retrofit depth routers",
         "",
@@ -297,23 +300,35 @@ def _model_card(loaded: Loaded, config: dict[str, Any]) -> str:
         "",
         f"* backbone: `{config['base_model']['name']}` (`{adapter.fingerprint['model_type']}`, "
         f"{adapter.fingerprint['num_layers']} layers, hidden {adapter.fingerprint['hidden_size']})",
-        f"* weights: {'complete, in `model/`' if config['full_weights'] else 'not included: the base loads from its own source'}",
-        f"* LoRA: {config['lora'] or 'none'}",
+        "* weights: " + ("complete, in `model/`. `transformers` alone loads them as the model *without* its routers "
+                         "(other outputs): load the release with `load_release` to route and skip" if config["full_weights"]
+                         else "not included: the base loads from its own source, checked against the one trained on"),
+        f"* LoRA: {lora.get(config['lora'], 'none')}",
         f"* router adapter: `router/` ({sum(p.numel() for p in adapter.parameters()):,} parameters; blocks "
         f"{list(adapter.layout.block_starts)}; skippable {list(adapter.layout.skippable_blocks)})",
         f"* router config: `{json.dumps(adapter.config.to_dict(), sort_keys=True)}`",
+        "* `processor/`: the processor and chat template; `release_config.json`: the base, its fingerprint and "
+        "what this folder holds (`load_release` reads it)",
         "",
         "## Measured at calibration",
         "",
     ]
     if adapter.calibration_metrics:
-        lines += ["| policy | target saving | layer executions skipped | token match vs unskipped |", "|---|---|---|---|"]
+        lines += ["Layer executions skipped on the calibration batches (teacher-forced, where the thresholds were set) and",
+                  "decoder-block compute saved while generating from their prompts (prefill included, where a block runs",
+                  "unless every token skips it): the second is what decoding saves.", "",
+                  "| policy | target saving | layer executions skipped | compute saved generating | token match vs unskipped |",
+                  "|---|---|---|---|---|"]
         for policy, targets in sorted(adapter.calibration_metrics.items()):
             for target, metrics in sorted(targets.items()):
                 lines.append(f"| {policy} | {float(target):.2f} | {metrics.get('achieved_saving', float('nan')):.3f} | "
+                             f"{metrics.get('generation_compute_saved', float('nan')):.3f} | "
                              f"{metrics.get('token_match', float('nan')):.3f} |")
     else:
         lines.append("Not calibrated: pass explicit thresholds, or run `python -m vlm_retrofit calibrate` first.")
+    calibrated = sorted(adapter.calibration_metrics)
+    policy, target = ((calibrated[0], f"{float(min(adapter.calibration_metrics[calibrated[0]])):.2f}") if calibrated
+                      else ("recent_weight", "..."))
     lines += [
         "",
         "## Loading",
@@ -321,7 +336,8 @@ def _model_card(loaded: Loaded, config: dict[str, Any]) -> str:
         "```python",
         "from vlm_retrofit import get_adapter, load_release",
         "model, processor = load_release(\"<this folder>\")",
-        "with get_adapter(model).skipping(\"recent_weight\", target_saving=...) as report:",
+        f"with get_adapter(model).skipping(\"{policy}\", target_saving={target}) as report:"
+        + ("" if calibrated else "  # after calibrating for it"),
         "    output = model.generate(**inputs, max_new_tokens=64)",
         "print(report.summary())",
         "```",
@@ -330,6 +346,12 @@ def _model_card(loaded: Loaded, config: dict[str, Any]) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def refresh_model_card(directory: Path, loaded: Loaded) -> None:
+    """Rewrite a release's model card from `loaded` (e.g. after calibrating its routers in place)."""
+    card = _model_card(loaded, read_release_config(directory))
+    atomic_write(directory / "README.md", lambda path: Path(path).write_text(card))
 
 
 def save_full_weights(model: nn.Module, folder: Path) -> None:
