@@ -273,3 +273,11 @@ def test_router_parameters_are_under_one_percent_of_a_realistic_backbone():
         adapter.detach()
         assert 0 < trainable < 0.01 * total, (trainable, total)
         assert trainable < 0.001 * total  # in fact well under 0.1 %: ~36k (+gates ~33k) of 135M
+
+
+def test_a_spec_that_misses_the_decoder_parts_names_the_field_to_fix():
+    model, _ = tiny_vlm("llava")
+    with pytest.raises(TypeError, match=r"has no 'blocks' \(the decoder layers\).*BackboneSpec\(layers_attr=.*decoder="):
+        BackboneSpec(layers_attr="blocks").get_layers(model)
+    with pytest.raises(TypeError, match=r"has no 'ln_f' \(the final norm\).*final_norm_attr"):
+        BackboneSpec(final_norm_attr="ln_f").get_final_norm(model)

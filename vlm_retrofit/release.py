@@ -218,7 +218,11 @@ def load_release(directory: str | os.PathLike, *, trust_remote_code: bool = Fals
     release is a plain model with fewer layers (no routers; `transformers` alone can load its `model/`).
     `torch_dtype` loads the weights in that dtype instead of the one the release records; `base` loads the base
     from there instead of where the release records it (a release without full weights reads the base's own;
-    the base is checked against the one it was trained on)."""
+    the base is checked against the one it was trained on).
+
+    The routers live beside the model, not in it: `model.save_pretrained` writes the weights without them (and a
+    LoRA kept as an adapter as a PEFT folder), so ship the release folder itself. Move the loaded model with
+    `.to(device)`; the routers follow it."""
     loaded = _load_release(Path(directory), trust_remote_code, torch_dtype, base)
     return loaded.model, loaded.processor
 

@@ -129,13 +129,14 @@ class BackboneSpec:
         return self.decoder(unwrap_model(model))
 
     def get_layers(self, model: nn.Module) -> nn.ModuleList:
-        return getattr(self.get_decoder(model), self.layers_attr)
+        return _decoder_part(self.get_decoder(model), self.layers_attr, "layers_attr", "the decoder layers")
 
     def get_final_norm(self, model: nn.Module) -> nn.Module:
-        return getattr(self.get_decoder(model), self.final_norm_attr)
+        return _decoder_part(self.get_decoder(model), self.final_norm_attr, "final_norm_attr", "the final norm")
 
     def get_embed_tokens(self, model: nn.Module) -> nn.Module:
-        return getattr(self.get_decoder(model), self.embed_tokens_attr)
+        return _decoder_part(self.get_decoder(model), self.embed_tokens_attr, "embed_tokens_attr",
+                             "the token embeddings")
 
     def get_lm_head(self, model: nn.Module) -> nn.Module:
         return self.lm_head(unwrap_model(model))
@@ -190,6 +191,18 @@ def _partial_rotary_factor(config: Any) -> float:
         found += [rope.get("partial_rotary_factor")]
         found += [value.get("partial_rotary_factor") for value in rope.values() if isinstance(value, dict)]
     return min((float(f) for f in found if f is not None), default=1.0)
+
+
+def _decoder_part(decoder: nn.Module, attribute: str, spec_field: str, what: str) -> Any:
+    """`decoder.<attribute>`, or an error naming the BackboneSpec field (or the decoder itself) to fix."""
+    part = getattr(decoder, attribute, None)
+    if part is not None:
+        return part
+    children = ", ".join(name for name, _ in decoder.named_children())
+    raise TypeError(f"the decoder the spec found ({type(decoder).__name__}, with {children or 'no submodules'}) has no "
+                    f"{attribute!r} ({what}): name it with BackboneSpec({spec_field}=...), or, if that is not the "
+                    "language decoder (HF's get_decoder() returns the whole model in some families), point "
+                    "BackboneSpec(decoder=...) at it")
 
 
 def _kv_part(owner: nn.Module, attribute: str, spec_field: str, what: str) -> nn.Module:
