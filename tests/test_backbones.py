@@ -281,3 +281,20 @@ def test_a_spec_that_misses_the_decoder_parts_names_the_field_to_fix():
         BackboneSpec(layers_attr="blocks").get_layers(model)
     with pytest.raises(TypeError, match=r"has no 'ln_f' \(the final norm\).*final_norm_attr"):
         BackboneSpec(final_norm_attr="ln_f").get_final_norm(model)
+
+
+def test_a_fine_tune_that_differs_only_in_its_projections_is_another_base():
+    # A merged LoRA changes only projections: the fingerprint read embeddings, norms and the head, and took it.
+    model, _ = tiny_vlm("qwen2_vl")
+    tuned = copy.deepcopy(model)
+    with torch.no_grad():
+        for layer in resolve(tuned).get_layers(tuned):
+            for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                getattr(layer.self_attn, name).weight.add_(0.05)
+    with pytest.raises(AdapterMismatchError, match="other weights.*first_k_proj"):
+        check_fingerprint(base_fingerprint(model), base_fingerprint(tuned), source="adapter", projections=True)
+    # Where the model may hold its own merged LoRA (routers attached after `merge_and_unload`) they are not read.
+    check_fingerprint(base_fingerprint(model), base_fingerprint(tuned), source="adapter")
+    older = base_fingerprint(model)  # an adapter saved before projections were sampled still loads
+    del older["projection_samples"]
+    check_fingerprint(older, base_fingerprint(model), source="adapter", projections=True)

@@ -330,6 +330,28 @@ def test_merge_and_calibrate_refuse_an_output_that_holds_other_files_or_their_in
         merge(tmp_path / "merged", tmp_path / "again")
 
 
+def test_a_base_that_differs_from_the_trained_one_only_in_its_projections_is_refused(trained, tmp_path):
+    # A fine-tune of the base (a merged LoRA) differs only in its projections: the fingerprint read embeddings,
+    # norms and the head, and every loader took it as the base.
+    from vlm_retrofit.backbones import resolve
+    from vlm_retrofit.testing import tiny_vlm
+
+    checkpoint, adapter_dir = trained
+    model, processor = tiny_vlm("llava", num_hidden_layers=6)  # the base tiny-llava-lora.yaml trains
+    with torch.no_grad():
+        for layer in resolve(model).get_layers(model):
+            layer.self_attn.v_proj.weight.mul_(1.5)
+    model.save_pretrained(tmp_path / "fine-tune")
+    processor.save_pretrained(tmp_path / "fine-tune")
+    merge(adapter_dir, tmp_path / "release", merge_lora=True)
+    for load in (lambda: load_checkpoint(checkpoint, base=str(tmp_path / "fine-tune")),
+                 lambda: load_trained(adapter_dir, base=str(tmp_path / "fine-tune")),
+                 lambda: load_release(tmp_path / "release", base=str(tmp_path / "fine-tune"))):
+        with pytest.raises(AdapterMismatchError, match="other weights.*first_v_proj"):
+            load()
+    load_release(tmp_path / "release")  # its own base, with the LoRA merged into the projections, still loads
+
+
 def test_written_files_are_as_readable_as_the_umask_makes_any_file(trained, tmp_path):
     # mkstemp's private 0600 stayed on the adapter's files: another user or a serving container could not read them.
     checkpoint, _ = trained

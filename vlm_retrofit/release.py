@@ -64,6 +64,8 @@ def _load_base(base_model: dict[str, Any], base: str | None, source: str,
                trust_remote_code: bool = False) -> tuple[nn.Module, Any, dict[str, Any]]:
     base_model = dict(base_model)
     if base is not None:
+        if str(base_model.get("name", "")).startswith("tiny:") and not base.startswith("tiny:"):
+            base_model["kwargs"] = None  # tiny_vlm's config overrides, not from_pretrained arguments
         base_model["name"] = base
     if not base_model.get("name"):
         raise ValueError(f"{source} does not say which base model it belongs to; pass the base explicitly (--base)")
@@ -99,7 +101,7 @@ def load_checkpoint(path: str | os.PathLike, base: str | None = None, *, trust_r
                   "torch_dtype": hp.get("torch_dtype"), "attn_implementation": hp.get("attn_implementation"),
                   "model_class": hp.get("model_class"), "trust_remote_code": hp.get("trust_remote_code", False)}
     model, processor, base_model = _load_base(saved_base, base, str(path), trust_remote_code)
-    check_fingerprint(meta["base_fingerprint"], base_fingerprint(model),
+    check_fingerprint(meta["base_fingerprint"], base_fingerprint(model), projections=True,
                       source=f"checkpoint {path} (trained on {meta.get('backbone')!r}, given {base_model['name']!r})")
     lora = meta.get("lora")
     if lora:
@@ -137,7 +139,7 @@ def load_adapter_folder(path: str | os.PathLike, base: str | None = None, *, tru
     check_complete(path, required, "adapter")
     saved = read_adapter_config(path)
     model, processor, base_model = _load_base(saved.get("base_model") or {}, base, str(path), trust_remote_code)
-    check_fingerprint(saved["base_fingerprint"], base_fingerprint(model), source=f"adapter {path}")
+    check_fingerprint(saved["base_fingerprint"], base_fingerprint(model), projections=True, source=f"adapter {path}")
     lora = None
     if (path / "lora" / "adapter_config.json").is_file():
         from peft import PeftModel
@@ -192,6 +194,8 @@ def _load_release(directory: Path, trust_remote_code: bool = False, torch_dtype:
             return Loaded(model.eval(), processor, None, base_model, config.get("lora"), "release")
     else:
         model, _, base_model = _load_base(base_model, base, str(directory), trust_remote_code)
+        check_fingerprint(config["base_fingerprint"], base_fingerprint(model), projections=True,
+                          source=f"release {directory}")  # the plain base, before what the release merges into it
         processor = load_processor(str(directory / "processor"),
                                    trust_remote_code=bool(base_model.get("trust_remote_code")))
     if (directory / MERGED_LORA).is_file():
@@ -370,6 +374,7 @@ def _write_release(loaded: Loaded, directory: Path, merge_lora: bool, full_weigh
     directory.mkdir(parents=True)
     model = loaded.model
     lora_mode = None
+    trained_on = loaded.adapter.fingerprint  # the plain base's, projections included: what a release loads onto
     if loaded.lora:
         if merge_lora or full_weights:
             changed = _lora_base_weight_keys(model)
@@ -402,7 +407,7 @@ def _write_release(loaded: Loaded, directory: Path, merge_lora: bool, full_weigh
         "format": RELEASE_FORMAT,
         "format_version": RELEASE_FORMAT_VERSION,
         "base_model": base_model,
-        "base_fingerprint": loaded.adapter.fingerprint,
+        "base_fingerprint": trained_on,
         "full_weights": bool(full_weights),
         "lora": lora_mode,
     }

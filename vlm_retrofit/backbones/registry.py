@@ -329,17 +329,33 @@ def _fingerprinted_tensors(spec: BackboneSpec, model: nn.Module) -> dict[str, Te
     return weights
 
 
+def _projection_tensors(spec: BackboneSpec, model: nn.Module) -> dict[str, Tensor]:
+    """The first and last layers' key and value projections (layers no schedule removes or skips): what tells
+    apart two fine-tunes of one base that differ only there (a merged LoRA). Read where the model is known to be
+    the plain base (`check_fingerprint(projections=True)`), since merging one's own LoRA changes them too."""
+    layers, weights = spec.get_layers(model), {}
+    for position, layer in (("first", layers[0]), ("last", layers[-1])):
+        attention = getattr(layer, spec.attention_attr, None)
+        for part in (spec.k_proj_attr, spec.v_proj_attr):
+            weight = getattr(getattr(attention, part, None), "weight", None)  # PEFT's LoRA layers answer the base's
+            if isinstance(weight, Tensor) and not weight.is_meta and weight.numel():
+                weights[f"{position}_{part}"] = weight
+    return weights
+
+
 def evenly_spaced(numel: int, count: int) -> Tensor:
     """`count` indices from 0 to `numel - 1` inclusive, in integers (a float32 linspace rounds past the end of a
     tensor of more than 2^24 elements)."""
     return torch.arange(count, dtype=torch.int64) * (numel - 1) // max(1, count - 1)
 
 
-def weight_samples(model: nn.Module) -> dict[str, list[float]]:
-    """`WEIGHT_SAMPLES` values of each `_fingerprinted_tensors` tensor, rounded to bfloat16: the same for a base
-    loaded in float32, bfloat16 or float16, and different for another checkpoint of the same architecture."""
+def weight_samples(model: nn.Module, projections: bool = False) -> dict[str, list[float]]:
+    """`WEIGHT_SAMPLES` values of each `_fingerprinted_tensors` tensor (`_projection_tensors` with `projections`),
+    rounded to bfloat16: the same for a base loaded in float32, bfloat16 or float16, and different for another
+    checkpoint of the same architecture."""
     samples = {}
-    for name, weight in _fingerprinted_tensors(resolve(model), model).items():
+    tensors = (_projection_tensors if projections else _fingerprinted_tensors)(resolve(model), model)
+    for name, weight in tensors.items():
         flat = weight.detach().reshape(-1)
         index = evenly_spaced(flat.numel(), WEIGHT_SAMPLES).to(flat.device)
         samples[name] = flat[index].to(torch.bfloat16).float().cpu().tolist()
@@ -360,11 +376,13 @@ def differing_weights(saved: dict[str, list[float]], actual: dict[str, list[floa
 def unchanged_fingerprint(fingerprint: dict[str, Any], model: nn.Module) -> dict[str, Any]:
     """`fingerprint` without the weight samples `model` no longer matches: what a release whose weights were merged
     into (a LoRA on the head or the embeddings) can still be checked by."""
-    samples = fingerprint.get("weight_samples")
-    if not samples:
-        return dict(fingerprint)
-    changed = set(differing_weights(samples, weight_samples(model)))
-    return {**fingerprint, "weight_samples": {k: v for k, v in samples.items() if k not in changed}}
+    unchanged = dict(fingerprint)
+    for key, projections in (("weight_samples", False), ("projection_samples", True)):
+        samples = fingerprint.get(key)
+        if samples:
+            changed = set(differing_weights(samples, weight_samples(model, projections)))
+            unchanged[key] = {k: v for k, v in samples.items() if k not in changed}
+    return unchanged
 
 
 def base_fingerprint(model: nn.Module) -> dict[str, Any]:
@@ -380,6 +398,7 @@ def base_fingerprint(model: nn.Module) -> dict[str, Any]:
         "hidden_size": int(text_config.hidden_size),
         "text_config_sha256": hashlib.sha256(canonical.encode()).hexdigest(),
         "weight_samples": weight_samples(model),
+        "projection_samples": weight_samples(model, projections=True),
     }
 
 

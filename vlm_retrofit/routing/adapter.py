@@ -437,12 +437,19 @@ def check_layout(saved: Mapping[str, Any] | None, layout: BlockLayout, *, source
             "as it was when the routers were trained")
 
 
-def check_fingerprint(saved: dict[str, Any], actual: dict[str, Any], *, source: str) -> None:
-    """Refuse an adapter or checkpoint whose base fingerprint differs from the model's, naming both."""
-    saved_structure, structure = ({k: v for k, v in f.items() if k != "weight_samples"} for f in (saved, actual))
+SAMPLE_KEYS = ("weight_samples", "projection_samples")
+
+
+def check_fingerprint(saved: dict[str, Any], actual: dict[str, Any], *, source: str, projections: bool = False) -> None:
+    """Refuse an adapter or checkpoint whose base fingerprint differs from the model's, naming both. With
+    `projections`, where the model is the plain base (freshly loaded, a LoRA not merged into it), the samples of
+    its projections are compared too: a fine-tune that differs only there (a merged LoRA) is another base."""
+    saved_structure, structure = ({k: v for k, v in f.items() if k not in SAMPLE_KEYS} for f in (saved, actual))
     if saved_structure == structure:
         # Fingerprints written before weights were sampled have no samples: their structure is all there is.
         differing = differing_weights(saved.get("weight_samples") or {}, actual.get("weight_samples") or {})
+        if projections:
+            differing += differing_weights(saved.get("projection_samples") or {}, actual.get("projection_samples") or {})
         if not differing:
             return
         raise AdapterMismatchError(

@@ -53,7 +53,8 @@ def check_checkpoint(module: "RetrofitModule", checkpoint: dict[str, Any]) -> di
         raise AdapterMismatchError("this checkpoint was not written by vlm_retrofit's RetrofitModule (it has no "
                                    f"'{CHECKPOINT_KEY}' section); refusing to load it")
     adapter = module.adapter
-    check_fingerprint(meta["base_fingerprint"], adapter.fingerprint, source=f"checkpoint for backbone {meta.get('backbone')!r}")
+    check_fingerprint(meta["base_fingerprint"], adapter.fingerprint, projections=True,  # the module's base: unmerged
+                      source=f"checkpoint for backbone {meta.get('backbone')!r}")
     state = checkpoint.get("state_dict", {})
     trainable = module.trainable_keys()
     expected = {k: v for k, v in module.state_dict().items() if k in trainable}
