@@ -211,9 +211,10 @@ def test_a_run_stopped_by_ctrl_c_saves_the_step_it_stopped_at_and_resumes_exactl
     assert _fit(tmp_path / "straight") == 0
     with monkeypatch.context() as patch:
         patch.setattr(RetrofitModule, "on_train_batch_start", _ctrl_c_at(3), raising=False)
-        with pytest.warns(UserWarning, match="stopped by Ctrl-C at step 4: saved .*last.ckpt"):
-            assert _fit(tmp_path / "stopped", every=8) == 128 + 2
+        with pytest.warns(UserWarning, match="stopped by Ctrl-C at step 4: saved .*last.ckpt"):  # before min_steps
+            assert _fit(tmp_path / "stopped", "--trainer.min_steps", str(2 * N), every=8) == 128 + 2
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # given back after the run
+    assert not (tmp_path / "stopped" / "adapter").exists()  # a partly trained adapter is not exported
     _assert_resumes_like_straight(tmp_path, "stopped", count_steps)
 
 

@@ -164,7 +164,10 @@ def _report_fit(trainer, model) -> None:
                      "loop state; `--ckpt_path last` resumes)")
     if best and best != last and os.path.isfile(best):
         lines.append(f"  checkpoint {best} ({os.path.getsize(best) / 1024:.1f} KiB)")
-    if not trainer.fast_dev_run:
+    interrupted = any(getattr(c, "interrupted", False) for c in trainer.callbacks)
+    if interrupted:  # a partly trained adapter must not replace a finished run's
+        lines.append("  stopped by Ctrl-C: the router adapter is not exported; `--ckpt_path last` resumes the run")
+    elif not trainer.fast_dev_run:
         adapter_dir = Path(trainer.default_root_dir) / "adapter"
         model.save_adapter(adapter_dir)
         size = sum(f.stat().st_size for f in adapter_dir.rglob("*") if f.is_file())

@@ -177,6 +177,13 @@ def check_nothing_to_resume_is_missed(trainer: "pl.Trainer") -> None:
             "vlm_retrofit.training.RetrofitCheckpoint, the default, has) to resume by `last`")
 
 
+def _stop(trainer: "pl.Trainer") -> None:
+    """Stop at the end of this step, even short of `min_steps` / `min_epochs` (Lightning would run on to them)."""
+    trainer.should_stop = True
+    trainer.fit_loop.min_epochs = None
+    trainer.fit_loop.epoch_loop.min_steps = None
+
+
 class RetrofitCheckpoint(ModelCheckpoint):
     """`ModelCheckpoint` that also saves when training ends on a step it has not saved yet.
 
@@ -220,10 +227,10 @@ class RetrofitCheckpoint(ModelCheckpoint):
         if self.interrupted:
             raise KeyboardInterrupt  # the second one: Lightning's own interrupt, nothing saved
         self.interrupted = True
-        trainer.should_stop = True
+        _stop(trainer)
         if trainer.is_global_zero:
-            print("\nCtrl-C: stopping at the end of this step and saving it (Ctrl-C again stops at once, unsaved)",
-                  file=sys.stderr, flush=True)
+            print("\nCtrl-C: stopping at the end of this step and saving it, after the validation Lightning runs on "
+                  "stopping (Ctrl-C again stops at once, unsaved)", file=sys.stderr, flush=True)
 
     def _restore_sigint(self) -> None:
         if self._previous_sigint is not None:
@@ -246,6 +253,12 @@ class RetrofitCheckpoint(ModelCheckpoint):
     def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", *args: Any,
                            **kwargs: Any) -> None:
         super().on_train_batch_end(trainer, pl_module, *args, **kwargs)
+        if trainer.world_size > 1:
+            # Every rank stops, and saves (a collective), at the same step: one rank's terminal may take the Ctrl-C
+            # a step before another's, or alone.
+            if trainer.strategy.reduce_boolean_decision(self.interrupted, all=False) and not self.interrupted:
+                self.interrupted = True
+                _stop(trainer)
         # A SIGTERM (a pre-empted or time-limited job) or a Ctrl-C makes Lightning stop at the end of this step: save
         # it here, where the periodic checkpoints are saved (a save from the stop itself would hold a state Lightning
         # does not resume exactly), or every step since the last periodic checkpoint is lost.
