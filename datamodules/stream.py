@@ -200,8 +200,10 @@ class EpochLoader(DataLoader):
             yielded += 1
             yield batch
         if not yielded:
-            raise DataQualityError(f"{self.required} yielded no batch: every sample was unusable (the warnings above "
-                                   "name shard, key and reason) or the shards hold none. Fix or replace those shards")
+            rank, world, _, _ = pytorch_worker_info()
+            whose = f"rank {rank}'s share of {self.required}" if world > 1 else self.required
+            raise DataQualityError(f"{whose} yielded no batch: every sample was unusable (the warnings above name "
+                                   "shard, key and reason) or the shards hold none. Fix or replace those shards")
 
     def state_dict(self) -> dict[str, int]:
         state = getattr(self.dataset, "epoch_state", None)

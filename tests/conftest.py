@@ -26,7 +26,7 @@ def _ctrl_c_handler_given_back():
     assert signal.getsignal(signal.SIGINT) is before, "a run left its Ctrl-C handler installed"
 
 
-def fit_config(run_dir, config: str, *overrides: str) -> None:
+def fit_config(run_dir, config: str, *overrides: str, status: int = 0) -> None:
     """A short `python -m vlm_retrofit fit --config configs/<config>` in `run_dir` (its runs/ land there)."""
     from pathlib import Path
 
@@ -37,6 +37,6 @@ def fit_config(run_dir, config: str, *overrides: str) -> None:
     try:
         assert main(["fit", "--config", str(Path(__file__).parents[1] / "configs" / config),
                      "--trainer.enable_progress_bar", "false", "--trainer.limit_val_batches", "0",
-                     "--data.num_workers", "0", *overrides]) == 0
+                     "--data.num_workers", "0", *overrides]) == status
     finally:
         os.chdir(cwd)

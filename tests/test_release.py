@@ -281,7 +281,7 @@ def test_calibrate_merge_generate_commands(trained, tmp_path, capsys):
     # Beside the calibration batches' figure, what generating saved (it quoted the first only, which overstated it).
     generating = saved["calibration_metrics"]["recent_weight"]["0.2000"]["generation_compute_saved"]
     assert f"| {generating:.3f} |" in card and "compute saved generating" in card
-    assert 'skipping("recent_weight", target_saving=0.20)' in card  # the example runs what was calibrated
+    assert 'skipping("recent_weight", target_saving=0.2)' in card  # the example runs what was calibrated
     # Calibrating the release in place quotes the new calibration in its card (it stayed "Not calibrated" / stale).
     assert main(["calibrate", "--model", str(tmp_path / "release"), "--target-saving", "0.3", "--batches", "2",
                  "--no-skip-image-positions"]) == 0

@@ -99,7 +99,7 @@ def _lightning_cli_class():
 
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    from .training import RetrofitModule, RunCSVLogger
+    from .training import RetrofitCheckpoint, RetrofitModule, RunCSVLogger
     from .training.checkpoint import check_nothing_to_resume_is_missed, use_run_folder
 
     class RetrofitCLI(LightningCLI):
@@ -125,10 +125,12 @@ def _lightning_cli_class():
             trainer = super().instantiate_trainer(**kwargs)
             # Before `--ckpt_path last` is looked up (Lightning does that before any callback's setup), and before
             # the loggers make their folders: checkpoints and logs follow `--trainer.default_root_dir`.
-            # Lightning's own checkpoint callback (taken when `trainer.callbacks` lists none) included.
-            for callback in trainer.checkpoint_callbacks:
-                if isinstance(callback, ModelCheckpoint):
-                    use_run_folder(callback, trainer)
+            # Without ours (`trainer.callbacks` replaced), Lightning's own or the user's take the run's folder too, so
+            # `--ckpt_path last` looks where they save; beside ours, another callback keeps its own folder.
+            callbacks = [c for c in trainer.checkpoint_callbacks if isinstance(c, ModelCheckpoint)]
+            ours = [c for c in callbacks if isinstance(c, RetrofitCheckpoint)]
+            for callback in ours or callbacks:
+                use_run_folder(callback, trainer)
             for logger in trainer.loggers:
                 if isinstance(logger, RunCSVLogger):
                     logger.use_run_folder(trainer)
@@ -236,10 +238,14 @@ def main(args: Sequence[str] | None = None) -> int:
             return code if isinstance(code, int) else (0 if code is None else 1)
         except Exception as error:
             from .backbones import UnsupportedBackboneError
+            from .routing.adapter import AdapterMismatchError
+            from .training.checkpoint import NothingToResumeError
 
-            if not isinstance(error, UnsupportedBackboneError):
+            # Refusals of what the user gave (an unsupported family, a checkpoint that does not fit this run, nothing
+            # to resume): one line, before any training; anything else is a bug worth its traceback.
+            if not isinstance(error, (UnsupportedBackboneError, AdapterMismatchError, NothingToResumeError)):
                 raise
-            print(f"{command} refused: {error}", file=sys.stderr)  # said before any weight loaded
+            print(f"{command} refused: {error}", file=sys.stderr)
             return 1
         trainer = getattr(cli, "trainer", None)
         if any(getattr(callback, "interrupted", False) for callback in getattr(trainer, "callbacks", [])):

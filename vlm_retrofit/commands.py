@@ -68,7 +68,7 @@ def calibrate_main(argv: list[str] | None = None) -> int:
               else f"calibrate: --batches must be at least 1, got {ns.batches}")
         return 1
     from .callbacks import compare_generation, generation_pad_id, prompts_from_batch
-    from .datamodules import ShardError, WebDatasetDataModule, model_inputs
+    from .datamodules import DataQualityError, ShardError, WebDatasetDataModule, model_inputs
 
     source = Path(ns.model)
     loaded = load_trained(source, ns.base, trust_remote_code=ns.trust_remote_code)
@@ -89,7 +89,11 @@ def calibrate_main(argv: list[str] | None = None) -> int:
     except ShardError as error:  # the datamodule reads --shards as its train and val shards
         print(f"calibrate: --shards {ns.shards}: {error}")
         return 1
-    batches = list(islice(iter(data.val_dataloader()), ns.batches))
+    try:
+        batches = list(islice(iter(data.val_dataloader()), ns.batches))
+    except DataQualityError as error:  # the datamodule reads --shards as its val shards
+        print(f"calibrate: --shards {ns.shards or '(the synthetic val split)'}: {error}")
+        return 1
     if not batches:
         print(f"calibrate: no calibration samples in {ns.shards or 'the synthetic val split'}")
         return 1

@@ -335,7 +335,7 @@ def _model_card(loaded: Loaded, config: dict[str, Any]) -> str:
     else:
         lines.append("Not calibrated: pass explicit thresholds, or run `python -m vlm_retrofit calibrate` first.")
     calibrated = sorted(adapter.calibration_metrics)
-    policy, target = ((calibrated[0], f"{float(min(adapter.calibration_metrics[calibrated[0]])):.2f}") if calibrated
+    policy, target = ((calibrated[0], f"{float(min(adapter.calibration_metrics[calibrated[0]])):g}") if calibrated
                       else ("recent_weight", "..."))
     lines += [
         "",

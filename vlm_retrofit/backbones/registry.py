@@ -240,6 +240,7 @@ import registers) or a function (called with no arguments), loaded once, when a 
 a family of your own reaches `python -m vlm_retrofit` and every process that loads its adapters and releases."""
 
 _plugins_loaded = False
+_plugin_failures: list[str] = []
 
 
 class UnsupportedBackboneError(ValueError):
@@ -254,14 +255,14 @@ def load_plugins() -> None:
     _plugins_loaded = True
     from importlib.metadata import entry_points
 
-    for entry in entry_points(group=PLUGIN_GROUP):
+    for entry in entry_points(group=PLUGIN_GROUP):  # every one: a broken plug-in does not hide the others
         try:
             loaded = entry.load()
             if callable(loaded):
                 loaded()
-        except Exception as error:  # a broken plug-in is named, not mistaken for a missing family
-            raise RuntimeError(f"the backbone plug-in {entry.name!r} ({entry.value}, entry point group "
-                               f"{PLUGIN_GROUP!r}) failed to load: {type(error).__name__}: {error}") from error
+        except Exception as error:
+            _plugin_failures.append(f"the backbone plug-in {entry.name!r} ({entry.value}, entry point group "
+                                    f"{PLUGIN_GROUP!r}) failed to load: {type(error).__name__}: {error}")
 
 
 def supported_model_types() -> list[str]:
@@ -281,11 +282,13 @@ def spec_for(model_type: str) -> BackboneSpec:
         load_plugins()
         spec = _REGISTRY.get(model_type)
     if spec is None:
+        # A broken plug-in is named, not mistaken for a missing family (it may be the one that registers it).
+        failures = f" {'; '.join(_plugin_failures)}." if _plugin_failures else ""
         raise UnsupportedBackboneError(
             f"model_type {model_type!r} is not a supported backbone. Supported: {', '.join(supported_model_types())}. "
             "To add a family, call vlm_retrofit.backbones.register_backbone(model_type, BackboneSpec(...)) in the "
             f"process, or from an installed package's {PLUGIN_GROUP!r} entry point for the command line "
-            "(see docs/backbones.md)."
+            f"(see docs/backbones.md).{failures}"
         )
     return spec
 

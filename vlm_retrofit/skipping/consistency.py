@@ -63,7 +63,11 @@ def _kv_path(model) -> str:
     spec = resolve(model)
     described = []
     for index, layer in enumerate(spec.get_layers(model)):
-        parts = spec.attention_parts(layer)
+        try:
+            parts = spec.attention_parts(layer)
+        except TypeError:  # e.g. a convolution layer of a hybrid, which never skips
+            described.append(f"layer {index}: no kv-only path")
+            continue
         norm = type(parts.k_norm).__name__ if parts.k_norm is not None else "no key norm"
         rotary = getattr(parts.rotary_fn, "__qualname__", repr(parts.rotary_fn))
         described.append(f"layer {index}: {type(parts.input_norm).__name__}, {norm}, {rotary}")

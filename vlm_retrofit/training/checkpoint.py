@@ -16,6 +16,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_warn
 
 from ..routing import AdapterMismatchError, check_fingerprint
+from ..routing.adapter import check_layout
 
 if TYPE_CHECKING:
     from .module import RetrofitModule
@@ -55,6 +56,8 @@ def check_checkpoint(module: "RetrofitModule", checkpoint: dict[str, Any]) -> di
     adapter = module.adapter
     check_fingerprint(meta["base_fingerprint"], adapter.fingerprint, projections=True,  # the module's base: unmerged
                       source=f"checkpoint for backbone {meta.get('backbone')!r}")
+    if meta.get("router_config") == adapter.config.to_dict():  # another router config is warned about below
+        check_layout(meta.get("layout"), adapter.layout, source="checkpoint")
     state = checkpoint.get("state_dict", {})
     trainable = module.trainable_keys()
     expected = {k: v for k, v in module.state_dict().items() if k in trainable}
@@ -158,6 +161,10 @@ def use_run_folder(callback: ModelCheckpoint, trainer: "pl.Trainer") -> None:
         callback.dirpath = os.path.realpath(os.path.join(trainer.default_root_dir, "checkpoints"))
 
 
+class NothingToResumeError(FileNotFoundError):
+    """`--ckpt_path last` where the checkpoint folder holds checkpoints but no `last.ckpt`."""
+
+
 def check_nothing_to_resume_is_missed(trainer: "pl.Trainer") -> None:
     """Refuse `--ckpt_path last` where no `last.ckpt` exists but the checkpoint folders hold other checkpoints.
 
@@ -170,7 +177,7 @@ def check_nothing_to_resume_is_missed(trainer: "pl.Trainer") -> None:
     found = sorted((p for c in callbacks if c.dirpath and os.path.isdir(c.dirpath) for p in Path(c.dirpath).glob("*.ckpt")),
                    key=lambda p: p.stat().st_mtime)
     if found:
-        raise FileNotFoundError(
+        raise NothingToResumeError(
             f"--ckpt_path last: no last.ckpt in {', '.join(sorted({str(p.parent) for p in found}))}, which holds "
             f"{len(found)} other checkpoint(s), the newest {found[-1]}; resuming would start over from step 0. "
             "Give that file as --ckpt_path, and a checkpoint callback with save_last: true (as "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.loggers import CSVLogger
 
 
@@ -35,6 +36,7 @@ class RunCSVLogger(CSVLogger):
         """Take `trainer.default_root_dir` as the folder, unless a `save_dir` was given."""
         if self._follows_run_folder:
             self._save_dir = self._root_dir = os.fspath(trainer.default_root_dir)
+            self._fs = get_filesystem(self._root_dir)  # e.g. a remote root: its versions are listed there
             self._follows_run_folder = False
 
     @property
