@@ -304,3 +304,17 @@ def test_a_fine_tune_that_differs_only_in_its_projections_is_another_base():
     older = base_fingerprint(model)  # an adapter saved before projections were sampled still loads
     del older["projection_samples"]
     check_fingerprint(older, base_fingerprint(model), source="adapter", projections=True)
+
+
+def test_a_failed_skip_check_describes_what_the_kv_path_ran_per_layer_even_beside_layers_without_attention():
+    from vlm_retrofit.skipping.consistency import _kv_path
+
+    model = ToyForCausalLM(ToyConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                     num_attention_heads=4, num_key_value_heads=2)).eval()
+    del model.model.layers[0].self_attn  # as a hybrid's convolution layer, listed in never_skip_layers
+    register_backbone("toy_llama", BackboneSpec())
+    try:
+        described = _kv_path(model)
+    finally:
+        unregister_backbone("toy_llama")
+    assert described.startswith("layer 0: no kv-only path; layer 1: LlamaRMSNorm, no key norm, apply_rotary_pos_emb")

@@ -398,3 +398,17 @@ def test_an_incomplete_damaged_or_foreign_release_is_refused_naming_the_file_bef
     with pytest.raises(AdapterMismatchError, match="carries its own full weights .* Drop --base"):
         load_release(tmp_path / "full", base="tiny:qwen2_vl")
     load_release(tmp_path / "adapter")  # the intact ones load
+
+
+def test_calibrate_on_shards_without_a_usable_sample_names_them_in_one_line(trained, tmp_path, capsys):
+    from PIL import Image
+
+    from vlm_retrofit.datamodules import write_tar
+
+    image = tmp_path / "x.png"
+    Image.new("RGB", (32, 24), (200, 10, 10)).save(image)
+    write_tar(tmp_path / "bad.tar", [(f"s{i}", {"png": image.read_bytes(), "txt": b"  "}) for i in range(3)])
+    _, adapter_dir = trained
+    assert main(["calibrate", "--model", str(adapter_dir), "--shards", str(tmp_path / "bad.tar"),
+                 "--output", str(tmp_path / "calibrated")]) == 1
+    assert f"calibrate: --shards {tmp_path / 'bad.tar'}: val_shards yielded no batch" in capsys.readouterr().out
