@@ -95,9 +95,8 @@ def _usage() -> str:
 
 def _lightning_cli_class():
     from jsonargparse import lazy_instance
-    from lightning.pytorch.cli import LightningCLI
-
     from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.cli import LightningCLI
 
     from .training import RetrofitCheckpoint, RetrofitModule, RunCSVLogger
     from .training.checkpoint import check_nothing_to_resume_is_missed, use_run_folder

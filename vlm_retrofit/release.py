@@ -334,8 +334,8 @@ def _model_card(loaded: Loaded, config: dict[str, Any]) -> str:
                              f"{metrics.get('token_match', float('nan')):.3f} |")
     else:
         lines.append("Not calibrated: pass explicit thresholds, or run `python -m vlm_retrofit calibrate` first.")
-    calibrated = sorted(adapter.calibration_metrics)
-    policy, target = ((calibrated[0], f"{float(min(adapter.calibration_metrics[calibrated[0]])):g}") if calibrated
+    calibrated = sorted(p for p, targets in adapter.calibration.items() if targets)  # settings, measured or not
+    policy, target = ((calibrated[0], f"{float(min(adapter.calibration[calibrated[0]])):g}") if calibrated
                       else ("recent_weight", "..."))
     lines += [
         "",
