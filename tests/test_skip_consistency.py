@@ -115,6 +115,27 @@ def test_generation_modes_match_uncached_generation(family, mode, policy_name):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+def test_a_static_cache_sees_the_padding_of_a_left_padded_batch(family):
+    """With a static cache `generate` hands the model 4-D masks: random skipping must still decide by each token's
+    own position and the report count real tokens only, as with the default cache. Before, both took padding as
+    tokens there: other decisions, other answers."""
+    model, processor, adapter = _trained_like(family)
+    inputs = tiny_inputs(processor, batch=2)
+    assert not inputs["attention_mask"].all()
+
+    def run(cache_implementation):
+        with torch.no_grad(), adapter.skipping(RandomPolicy(rate=0.45, seed=3)) as report:
+            out = _generate(model, inputs, cache_implementation=cache_implementation)
+        return out, report
+
+    (dynamic, dynamic_report), (static, static_report) = run(None), run("static")
+    assert torch.equal(static.sequences, dynamic.sequences)
+    torch.testing.assert_close(torch.stack(static.logits, 1), torch.stack(dynamic.logits, 1), atol=1e-4, rtol=0)
+    assert static_report.block_tokens == dynamic_report.block_tokens
+    assert static_report.block_skipped_tokens == dynamic_report.block_skipped_tokens
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_kv_only_cache_write_equals_what_the_attention_layer_writes(family):
     """The kv-only path must leave exactly the K/V the real layer would have cached for the same input."""
     model, processor, adapter = _trained_like(family)

@@ -262,8 +262,8 @@ class StreamState:
     context_length: int = 0
     """Tokens the KV cache held when this forward began (0 in prefill or without a cache)."""
     attention_mask: Tensor | None = None
-    """[B, context_length + T]: the top model's 2-D attention mask over the cache and this forward's tokens, when a
-    skip context knows it (None: no padding anywhere)."""
+    """Bool [B, context_length + T], False at padding: the top model's attention mask over the cache and this
+    forward's tokens, when a skip context knows it (None: no padding anywhere)."""
 
     def sequence_positions(self) -> Tensor:
         """Long [B, T]: each token's position in its own sequence, padding not counted (left padding shifts a

@@ -45,6 +45,24 @@ def _map_output(output: Any, fn: Callable[[Tensor], Tensor]) -> Any:
     return fn(output)
 
 
+def key_padding_mask(mask: Any, batch: int, length: int) -> Tensor | None:
+    """Bool [batch, length] (False at padding) over the cache and a forward's tokens, from the top model's attention
+    mask: the 2-D one, or the 4-D ones `generate` builds with a static cache (a tensor, or a dict by attention type),
+    read from the last query row, which sees every real token before it and itself, and no padding. None when the
+    mask says nothing of the padding."""
+    if isinstance(mask, dict):  # a sliding window's rows do not see every earlier token
+        mask = mask.get("full_attention")
+    if not isinstance(mask, Tensor) or mask.shape[0] != batch:
+        return None
+    if mask.dim() == 2:
+        return mask.bool() if mask.shape[1] == length else None
+    if mask.dim() != 4 or mask.shape[-1] < length:
+        return None
+    row = mask[:, 0, -1, :length]
+    # Additive float masks hold 0 where attended and the dtype's minimum where not.
+    return row if row.dtype == torch.bool else row > torch.finfo(row.dtype).min / 2
+
+
 class SkipController:
     """Context manager that lets a policy skip blocks per token while the model runs.
 
@@ -91,8 +109,7 @@ class SkipController:
         self._started = 0.0
         self._image_ids = torch.tensor(sorted(adapter.spec.image_token_ids(unwrap_model(adapter.model).config)))
         self._token_is_image: Tensor | None = None
-        self._token_is_real: Tensor | None = None
-        self._attention_mask: Tensor | None = None
+        self._attention_mask: Any = None
         """The top model's 2-D attention mask in its current call, over the cache and the new tokens."""
         self._continues_cache: bool | None = None
         """Whether the current call of the top model was given a KV cache (generate passes one from its prefill
@@ -161,15 +178,13 @@ class SkipController:
         # Which positions are visual placeholders: per-modality thresholds need it at every layer.
         # None when there is none (every decode step): per-modality rules then cost no work per block.
         self._token_is_image = image_positions(kwargs.get("input_ids", args[0] if args else None), self._image_ids)
-        mask = kwargs.get("attention_mask")
-        self._attention_mask = mask if isinstance(mask, Tensor) and mask.dim() == 2 else None
-        self._token_is_real = self._attention_mask.bool() if self._attention_mask is not None else None
+        self._attention_mask = kwargs.get("attention_mask")  # made a 2-D key mask in begin_forward
         self._continues_cache = any(kwargs.get(name) is not None for name in ("past_key_values", "cache"))
 
     def _forget_input_ids(self, module: nn.Module, args: tuple, output: Any) -> None:
         # The capture describes one call of the top model: a later forward that does not pass through it (the
         # decoder called directly) must not take its image positions or padding.
-        self._token_is_image = self._token_is_real = self._continues_cache = self._attention_mask = None
+        self._token_is_image = self._continues_cache = self._attention_mask = None
 
     def _unpatch(self) -> None:
         for layer, previous in reversed(self._restore):
@@ -186,11 +201,11 @@ class SkipController:
         tokens_shape = state.stack.shape[:-1]
         if self._token_is_image is not None and self._token_is_image.shape == tokens_shape:
             state.token_is_image = self._token_is_image
-        if self._token_is_real is not None and self._token_is_real.shape == tokens_shape:
-            state.token_is_real = self._token_is_real
-        mask = self._attention_mask
-        if mask is not None and mask.shape == (tokens_shape[0], state.context_length + tokens_shape[1]):
+        mask = key_padding_mask(self._attention_mask, tokens_shape[0], state.context_length + tokens_shape[1])
+        if mask is not None:
             state.attention_mask = mask
+            if state.context_length == 0:  # decode steps hold no padding: no per-block masking work there
+                state.token_is_real = mask.bool()
         self._skip.clear()
         self._none_ran.clear()
         self._used = None
