@@ -210,7 +210,7 @@ def test_an_interrupted_merge_leaves_nothing(trained, tmp_path, monkeypatch):
     checkpoint, _ = trained
     from vlm_retrofit.routing import RouterAdapter
 
-    def crash(self, directory):
+    def crash(self, directory, **_):
         raise KeyboardInterrupt("interrupted while writing the router")
 
     monkeypatch.setattr(RouterAdapter, "save_pretrained", crash)
@@ -398,6 +398,25 @@ def test_an_incomplete_damaged_or_foreign_release_is_refused_naming_the_file_bef
     with pytest.raises(AdapterMismatchError, match="carries its own full weights .* Drop --base"):
         load_release(tmp_path / "full", base="tiny:qwen2_vl")
     load_release(tmp_path / "adapter")  # the intact ones load
+
+
+def test_an_adapter_folder_copied_without_its_lora_is_refused_and_calibrating_it_keeps_the_record(trained, tmp_path):
+    # Before: an adapter folder copied without `lora/` loaded as the routers alone on the base, silently: another model.
+    from vlm_retrofit.release import load_adapter_folder
+
+    _, adapter_dir = trained
+    saved = json.loads((adapter_dir / "adapter_config.json").read_text())
+    assert saved["companions"] == ["lora/adapter_config.json", "lora/adapter_model.safetensors"]
+    copy = tmp_path / "copy"
+    shutil.copytree(adapter_dir, copy)
+    assert main(["calibrate", "--model", str(copy), "--policy", "random", "--target-saving", "0.2",
+                 "--batches", "1"]) == 0  # in place: the record survives the rewrite of adapter_config.json
+    assert json.loads((copy / "adapter_config.json").read_text())["companions"] == saved["companions"]
+    shutil.rmtree(copy / "lora")
+    with pytest.raises(FileNotFoundError, match="incomplete: lora/adapter_config.json, lora/adapter_model.safetensors "
+                                                "missing"):
+        load_adapter_folder(copy)
+    assert load_adapter_folder(adapter_dir).lora is not None
 
 
 def test_calibrate_on_shards_without_a_usable_sample_names_them_in_one_line(trained, tmp_path, capsys):

@@ -102,15 +102,20 @@ def staged_folder(output: Path, purpose: str) -> Iterator[Path]:
         raise
 
 
+LORA_FILES = ["lora/adapter_config.json", "lora/adapter_model.safetensors"]
+"""What PEFT's `save_pretrained` writes for a LoRA under `lora/` that loading it needs."""
+
+
 def write_adapter_folder(directory: Path, adapter: Any, lora_model: Any | None = None,
                          replacement: tuple[Mapping[int, Any], list[int]] | None = None) -> Path:
     """A complete adapter folder, replaced whole: the routers (`adapter_config.json` + `adapter_model.safetensors`),
     the LoRA of `lora_model` (a PEFT model) under `lora/`, and a linear replacement (transforms, removed layers) as
     `replacement.safetensors`. No file an earlier folder held survives to be merged with these routers."""
-    from .replacement import save_replacements
+    from .replacement import REPLACEMENT_FILE, save_replacements
 
+    companions = (LORA_FILES if lora_model is not None else []) + ([REPLACEMENT_FILE] if replacement is not None else [])
     with staged_folder(directory, "saving") as staging:
-        adapter.save_pretrained(staging)
+        adapter.save_pretrained(staging, companions=companions)
         if lora_model is not None:
             lora_model.save_pretrained(staging / "lora")
         if replacement is not None:

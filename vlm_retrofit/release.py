@@ -17,7 +17,7 @@ from torch import nn
 from .backbones import base_fingerprint, unchanged_fingerprint, unwrap_model
 from .backbones.loading import RELEASE_CONFIG, half_precision, load_backbone, load_processor, looks_like_a_folder
 from .backbones.tied import record_untied_embeddings, untie, with_tied_partners
-from .files import atomic_write, check_complete, staged_folder
+from .files import LORA_FILES, atomic_write, check_complete, staged_folder
 from .routing import AdapterMismatchError, RouterAdapter, RouterConfig, attach_routers, check_fingerprint
 from .replacement import load_replacements
 from .routing.adapter import CONFIG_NAME, WEIGHTS_NAME, check_layout, read_adapter_config
@@ -133,11 +133,10 @@ def load_checkpoint(path: str | os.PathLike, base: str | None = None, *, trust_r
 def load_adapter_folder(path: str | os.PathLike, base: str | None = None, *, trust_remote_code: bool = False) -> Loaded:
     """Load base + routers (+ `lora/` if present) from an adapter folder written by `save_pretrained`."""
     path = Path(path)
-    required = [CONFIG_NAME, WEIGHTS_NAME]
-    if (path / "lora").is_dir():
-        required += ["lora/adapter_config.json", "lora/adapter_model.safetensors"]
-    check_complete(path, required, "adapter")
     saved = read_adapter_config(path)
+    # Folders written before companions were recorded: a `lora/` that is there must be whole.
+    required = list(saved.get("companions") or (LORA_FILES if (path / "lora").is_dir() else []))
+    check_complete(path, [CONFIG_NAME, WEIGHTS_NAME, *required], "adapter")
     model, processor, base_model = _load_base(saved.get("base_model") or {}, base, str(path), trust_remote_code)
     check_fingerprint(saved["base_fingerprint"], base_fingerprint(model), projections=True, source=f"adapter {path}")
     lora = None
@@ -170,7 +169,7 @@ def read_release_config(directory: Path) -> dict[str, Any]:
     if not config.get("pruned"):
         required += [f"router/{CONFIG_NAME}", f"router/{WEIGHTS_NAME}"]
     if config.get("lora") == "adapter":
-        required += ["lora/adapter_config.json", "lora/adapter_model.safetensors"]
+        required += LORA_FILES
     elif config.get("lora") == "merged" and not config.get("full_weights"):
         required.append(MERGED_LORA)
     # Without them the release loads as another model: the base without its LoRA, or without its routers.
@@ -397,7 +396,7 @@ def _write_release(loaded: Loaded, directory: Path, merge_lora: bool, full_weigh
             lora_mode = "adapter"
     if full_weights:
         save_full_weights(model, directory / "model")
-    loaded.adapter.save_pretrained(directory / "router")
+    loaded.adapter.save_pretrained(directory / "router", companions=[])  # the release config names its files
     loaded.processor.save_pretrained(directory / "processor")
     base_model = dict(loaded.base_model)
     # The release must run the attention kernel the source ran (saved configs do not record it).

@@ -82,6 +82,10 @@ class RouterAdapter(nn.Module):
         """Skip thresholds found by calibration: policy -> target saving -> policy settings."""
         self.calibration_metrics: dict[str, dict[str, dict[str, float]]] = {}
         """What calibration measured: policy -> target saving -> {achieved_saving, token_match, ...}."""
+        self.companions: list[str] = []
+        """Files beside the routers that the adapter folder it was saved in or loaded from needs (paths relative to
+        it: its LoRA, its linear replacement). Recorded so that a copy without them is refused instead of loading
+        as another model (routers without the LoRA they were trained with)."""
         self.removal_order: list[int] | None = None
         """Skippable blocks in the order a removal schedule was trained on (cheapest first); static
         calibration removes a prefix of it. None = untrained for removal (Block Influence decides)."""
@@ -322,6 +326,7 @@ class RouterAdapter(nn.Module):
             "layout": self.layout.to_dict(),
             "calibration": self.calibration,
             "calibration_metrics": self.calibration_metrics,
+            "companions": self.companions,
             **self.training_record(),
             "base_model": self.base_model,
         }
@@ -341,9 +346,12 @@ class RouterAdapter(nn.Module):
         self.skip_candidates = saved.get("skip_candidates")
         self.skip_image_positions = bool(saved.get("skip_image_positions", True))
 
-    def save_pretrained(self, directory: str | os.PathLike) -> Path:
-        """Write `adapter_config.json` + `adapter_model.safetensors` (each replaced atomically)."""
+    def save_pretrained(self, directory: str | os.PathLike, *, companions: list[str] | None = None) -> Path:
+        """Write `adapter_config.json` + `adapter_model.safetensors` (each replaced atomically). `companions` (files
+        the caller writes beside them, relative paths) replaces `self.companions`; None keeps it."""
         directory = Path(directory)
+        if companions is not None:
+            self.companions = sorted(companions)
         directory.mkdir(parents=True, exist_ok=True)
         tensors = {k: v.detach().to("cpu").contiguous() for k, v in self.state_dict().items()}
         atomic_write(directory / WEIGHTS_NAME, lambda path: save_file(tensors, path, metadata={"format": "pt"}))
@@ -376,6 +384,7 @@ class RouterAdapter(nn.Module):
         adapter.load_state_dict(state)
         adapter.calibration = saved.get("calibration", {})
         adapter.calibration_metrics = saved.get("calibration_metrics", {})
+        adapter.companions = list(saved.get("companions") or [])
         adapter.restore_training_record(saved)
         adapter.base_model = saved.get("base_model") or adapter.base_model
         return _finish_attach(model, adapter, freeze_base)
