@@ -32,7 +32,6 @@ def attached(case):
     adapter = attach_routers(model, RouterConfig())
     yield family, model, inputs, base, adapter
     adapter.detach()
-    model.requires_grad_(False)  # the fixture's state
 
 
 def _logits(model, inputs):
@@ -46,6 +45,21 @@ def _randomize(adapter, seed=0):
         for router in adapter.routers.values():
             router.query.copy_(torch.randn(router.query.shape, generator=generator))
             router.bias.copy_(torch.randn(router.bias.shape, generator=generator))
+
+
+def test_detach_gives_back_the_trainable_flags_attach_froze():
+    # Before: a model fine-tuned after `detach` had nothing left to train, and on LLaVA-OneVision the flags alone
+    # moved its logits (see `case`): "as before" was not.
+    model, processor = tiny_vlm("llava_onevision")
+    model.lm_head.requires_grad_(False)  # a flag of the user's own: kept
+    trainable = [name for name, p in model.named_parameters() if p.requires_grad]
+    inputs = tiny_inputs(processor, batch=2)
+    before = _logits(model, inputs)
+    adapter = attach_routers(model, RouterConfig())
+    assert not any(p.requires_grad for p in model.parameters() if not any(p is q for q in adapter.parameters()))
+    adapter.detach()
+    assert [name for name, p in model.named_parameters() if p.requires_grad] == trainable
+    assert torch.equal(_logits(model, inputs), before)
 
 
 def test_identity_at_init_with_and_without_images(attached):
@@ -71,7 +85,7 @@ def test_disabled_and_detach_give_the_exact_base(case):
         assert torch.equal(_logits(model, inputs["image"]), base["image"])
     assert not torch.equal(_logits(model, inputs["image"]), base["image"])
     adapter.detach()
-    model.requires_grad_(False)  # the fixture's state
+    assert not any(p.requires_grad for p in model.parameters())  # frozen before attach: frozen after detach
     assert torch.equal(_logits(model, inputs["image"]), base["image"])
     after = model.state_dict()
     assert list(after) == list(before) and all(torch.equal(after[k], before[k]) for k in before)

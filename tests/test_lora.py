@@ -61,6 +61,9 @@ def test_lora_and_routers_in_either_order(family, tmp_path):
     merged = fresh.merge_and_unload()
     restored = RouterAdapter.from_pretrained(merged, tmp_path / "routers")
     torch.testing.assert_close(_logits(merged, inputs), out_a, atol=1e-4, rtol=0)
+    # The routers alone onto the plain base would route another model: refused (before: loaded silently).
+    with pytest.raises(AdapterMismatchError, match="saved on a model with a PEFT adapter"):
+        RouterAdapter.from_pretrained(tiny_vlm(family)[0], tmp_path / "routers")
 
 
 def _logits_lora_only(family, inputs):

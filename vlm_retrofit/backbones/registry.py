@@ -18,6 +18,15 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     return get_base() if callable(get_base) else model
 
 
+def lora_layers(model: nn.Module) -> list[nn.Module]:
+    """PEFT tuner layers of `model` (empty without peft or without a LoRA)."""
+    try:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+    except ImportError:  # peft is optional for router-only training
+        return []
+    return [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+
+
 def _default_decoder(model: nn.Module) -> nn.Module:
     return model.get_decoder()
 

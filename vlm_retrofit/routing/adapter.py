@@ -14,8 +14,8 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from ..backbones import (BackboneSpec, base_fingerprint, differing_weights, layer_hidden_states, resolve, unwrap_model,
-                         with_layer_hidden_states)
+from ..backbones import (BackboneSpec, base_fingerprint, differing_weights, layer_hidden_states, lora_layers, resolve,
+                         unwrap_model, with_layer_hidden_states)
 from ..files import atomic_write
 from .config import BlockLayout, RouterConfig
 from .router import DepthRouter, SkipGate
@@ -75,6 +75,7 @@ class RouterAdapter(nn.Module):
         # Plain attributes (not submodules): the adapter must not own or save the backbone.
         self.__dict__["_model_ref"] = weakref.ref(model)
         self._handles: list[RemovableHandle] = []
+        self._frozen_by_attach: list[nn.Parameter] = []
         self._enabled = True
         self._state = StreamState()
         self._controller: Any = None
@@ -128,10 +129,13 @@ class RouterAdapter(nn.Module):
         return self
 
     def detach(self) -> None:
-        """Remove every hook: the model computes exactly what it computed before `attach_routers`."""
+        """Remove every hook and unfreeze what `attach_routers` froze: the model is as it was before."""
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        for parameter in self._frozen_by_attach:
+            parameter.requires_grad_(True)
+        self._frozen_by_attach = []
         self._state = StreamState()
         model = self._model_ref()
         if model is not None and _ATTACHED.get(model) is self:
@@ -327,6 +331,8 @@ class RouterAdapter(nn.Module):
             "calibration": self.calibration,
             "calibration_metrics": self.calibration_metrics,
             "companions": self.companions,
+            # Routers trained on a base with a PEFT adapter (a LoRA) route that model, not the plain base.
+            "with_peft_adapter": bool(lora_layers(self.model)),
             **self.training_record(),
             "base_model": self.base_model,
         }
@@ -369,6 +375,17 @@ class RouterAdapter(nn.Module):
         saved = read_adapter_config(directory)
         fingerprint = base_fingerprint(model if base is None else base)
         check_fingerprint(saved["base_fingerprint"], fingerprint, source=str(directory))
+        # Routers saved beside a LoRA, given the plain base (no PEFT layers, no LoRA merged into the projections the
+        # fingerprint samples): without the LoRA they would route another model, silently.
+        if (saved.get("with_peft_adapter") and base is None and not lora_layers(model)
+                and not differing_weights(saved["base_fingerprint"].get("projection_samples") or {},
+                                          fingerprint.get("projection_samples") or {})):
+            raise AdapterMismatchError(
+                f"{directory}: these routers were saved on a model with a PEFT adapter (a LoRA), and the model given "
+                "is the plain base: without the LoRA they route another model. Load that LoRA onto the model first "
+                "(peft.PeftModel.from_pretrained), or load a folder holding both (`lora/` beside the routers, as "
+                "RetrofitModule.save_adapter writes it) with vlm_retrofit.release.load_trained. If the model has the "
+                "LoRA merged into its weights, pass base= (the unmerged base) to check it against")
         adapter = cls(model, RouterConfig.from_dict(saved["router_config"]))
         check_layout(saved.get("layout"), adapter.layout, source=str(directory))
         adapter.fingerprint = fingerprint  # the unmerged base's where `base` is given
@@ -394,6 +411,7 @@ def _finish_attach(model: nn.Module, adapter: RouterAdapter, freeze_base: bool) 
     adapter._attach()
     if freeze_base and not hasattr(model, "peft_config"):
         # A peft model has already frozen its base and marked its own adapters trainable: leave those flags.
+        adapter._frozen_by_attach = [p for p in model.parameters() if p.requires_grad]  # `detach` gives them back
         model.requires_grad_(False)
     adapter.requires_grad_(True)
     return adapter

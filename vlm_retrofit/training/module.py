@@ -23,14 +23,14 @@ from ..skipping.calibrate import scored_positions
 from ..skipping.runtime import resolve_budget
 from ..routing import RouterConfig, attach_routers
 from ..backbones.loading import load_backbone, recorded_name
+from ..backbones.registry import lora_layers
 from ..pruning import layers_removed
 from ..replacement import fit_replacements, output_projection, replacements_applied
 from .checkpoint import CHECKPOINT_KEY, check_checkpoint, checkpoint_metadata, resumed_removal_range
 from .losses import (PENALTIES, compute_penalty, distillation_kl, drop_rate_at, hidden_state_distillation,
                      routing_entropies)
 from .optim import SCHEDULES, base_lr, build_optimizer, lr_lambda
-from .peft_layers import (adapter_switches, adapters_disabled, autocast_lora_inputs, copies_trained_in_fp32, lora_addmm,
-                          lora_layers)
+from .peft_layers import adapter_switches, adapters_disabled, autocast_lora_inputs, copies_trained_in_fp32, lora_addmm
 from .prefix import first_adapted_layer, head_rows_selected, layer_input_captured, layer_input_replaced
 
 log = logging.getLogger("vlm_retrofit.training")

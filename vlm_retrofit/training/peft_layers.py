@@ -14,15 +14,6 @@ from torch import Tensor, nn
 from ..backbones.loading import floating_dtype, half_precision
 
 
-def lora_layers(model: nn.Module) -> list[nn.Module]:
-    """PEFT tuner layers of `model` (empty without peft or without a LoRA)."""
-    try:
-        from peft.tuners.tuners_utils import BaseTunerLayer
-    except ImportError:  # peft is optional for router-only training
-        return []
-    return [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
-
-
 def adapter_switches(model: nn.Module) -> list[nn.Module]:
     """What PEFT's `disable_adapter()` switches off: its tuner layers (LoRA, trainable tokens) and the wrappers of
     `modules_to_save` (empty without peft or without an adapter)."""
