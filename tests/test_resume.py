@@ -393,3 +393,24 @@ def test_resuming_by_last_where_only_other_checkpoints_exist_is_refused_not_star
     assert _fit(tmp_path / "run", *no_callbacks, "--ckpt_path", str(saved[0]), steps=4) == 0
     assert count_steps == [2, 3]
     assert _fit(tmp_path / "fresh", "--ckpt_path", "last", steps=1) == 0  # a first run: nothing to miss
+
+
+def test_a_checkpoint_path_fills_in_only_settings_left_at_their_defaults(tmp_path, capsys):
+    # Lightning wrote a checkpoint file's hyperparameters over the parsed config: a changed setting was dropped
+    # silently, and the resume checks compared the checkpoint with itself (another backbone was resumed).
+    from vlm_retrofit.cli import read_hyperparameters
+
+    assert _fit(tmp_path, steps=2) == 0
+    checkpoint = str(tmp_path / "checkpoints" / "last.ckpt")
+    assert _fit(tmp_path, "--ckpt_path", checkpoint, backbone="tiny:llava") == 1
+    assert re.search(r"fit refused: .*different base model \(qwen2_vl.*\(llava", capsys.readouterr().err)
+    # The optimizer's state restored on resume would keep the checkpoint's learning rates: refused, not ignored.
+    assert _fit(tmp_path, "--ckpt_path", checkpoint, "--model.lr", "0.001") == 1
+    assert "optimizer settings other than the checkpoint's (lr 0.05 -> 0.001)" in capsys.readouterr().err
+    # Settings given nowhere come from the checkpoint: `validate --ckpt_path X` alone rebuilds X's model.
+    assert read_hyperparameters(checkpoint)["compute_target"] == 0.6  # the default run's is 0.75
+    assert main(["validate", "--ckpt_path", checkpoint, *FIXED_DATA, "--trainer.logger", "false",
+                 "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir",
+                 str(tmp_path / "validate")]) == 0
+    saved = (tmp_path / "validate" / "config.yaml").read_text()
+    assert "compute_target: 0.6" in saved and "max_drop_rate: 0.5" in saved

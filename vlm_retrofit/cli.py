@@ -120,6 +120,22 @@ def _lightning_cli_class():
                 "trainer.logger": lazy_instance(RunCSVLogger, name="logs"),
             })
 
+        def _parse_ckpt_path(self) -> None:
+            # Lightning writes a checkpoint's hyperparameters over the parsed config: a model setting given in
+            # --config or on the command line was dropped silently, and the resume checks compared the checkpoint
+            # with itself. Here the checkpoint fills in only the settings left at their defaults (`validate
+            # --ckpt_path X` alone still rebuilds X's model); what the user set stands, and the checkpoint's load
+            # refuses what it cannot take (`check_checkpoint`: another base, router layout, LoRA, ...).
+            subcommand = self.config.get("subcommand")
+            ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
+            if not ckpt_path or not Path(ckpt_path).is_file():
+                return
+            hparams = read_hyperparameters(ckpt_path)
+            given, defaults = self.config[subcommand].model, self._subcommand_parsers[subcommand].get_defaults().model
+            taken = settings_left_at_defaults(given, defaults, hparams)
+            if taken:
+                self.config = self.parser.parse_object({subcommand: {"model": taken}}, self.config)
+
         def instantiate_trainer(self, **kwargs: Any):
             trainer = super().instantiate_trainer(**kwargs)
             # Before `--ckpt_path last` is looked up (Lightning does that before any callback's setup), and before
@@ -143,6 +159,35 @@ def _lightning_cli_class():
             _report_fit(self.trainer, self.model)
 
     return RetrofitCLI, RetrofitModule
+
+
+def read_hyperparameters(ckpt_path: str) -> dict[str, Any]:
+    """The model's init arguments a Lightning checkpoint recorded (empty where it recorded none)."""
+    import torch
+
+    hparams = dict(torch.load(ckpt_path, weights_only=True, map_location="cpu").get("hyper_parameters") or {})
+    hparams.pop("_instantiator", None)
+    return hparams
+
+
+def settings_left_at_defaults(given: Any, defaults: Any, recorded: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """The `recorded` settings (nested dicts for nested groups such as `router`) whose parsed value in `given` is
+    still its default in `defaults` and differs from the recorded one: what a checkpoint may fill in."""
+    from jsonargparse import Namespace
+
+    taken: dict[str, Any] = {}
+    for key, value in recorded.items():
+        name = prefix + key
+        if name not in given:  # a setting this version no longer has
+            continue
+        current = given[name]
+        if isinstance(value, dict) and isinstance(current, Namespace):
+            nested = settings_left_at_defaults(given, defaults, value, f"{name}.")
+            if nested:
+                taken[key] = nested
+        elif current != value and current == defaults.get(name):
+            taken[key] = value
+    return taken
 
 
 def _checkpoint_callback(trainer):

@@ -117,6 +117,24 @@ def _check_removal(meta: dict[str, Any], hparams: Any) -> None:
             f"keeps the removal it started with. Resume without removal_order, {start_over} to heal another removal")
 
 
+OPTIMIZER_STATE_FIELDS = ("optimizer", "lr", "query_lr_scale", "lora_b_lr_scale", "weight_decay", "optimizer_kwargs")
+"""RetrofitModule settings a resumed fit takes from the checkpoint's optimizer and scheduler state (their
+learning rates, weight decay, betas) whatever this run says; the schedule's shape (warmup, decay, floor) is not
+stored and follows this run."""
+
+
+def check_optimizer_settings(saved: dict[str, Any], hparams: Any) -> None:
+    """Refuse to resume a fit with optimizer settings other than the checkpoint's: its restored state would set
+    the learning rates and the rest back, and the run would ignore them silently."""
+    changed = {k: (saved[k], hparams.get(k)) for k in OPTIMIZER_STATE_FIELDS if k in saved and saved[k] != hparams.get(k)}
+    if changed:
+        details = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changed.items())
+        raise AdapterMismatchError(
+            f"resuming with optimizer settings other than the checkpoint's ({details}): the restored optimizer and "
+            "learning-rate schedule would keep the checkpoint's. Resume with its settings, or start a new run (fit "
+            "without --ckpt_path)")
+
+
 LORA_SCALE_FIELDS = frozenset({"lora_alpha", "use_rslora", "use_dora", "alpha_pattern", "rank_pattern"})
 """LoRA settings that change what trained LoRA matrices compute (their update's scale or form)."""
 

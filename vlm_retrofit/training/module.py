@@ -26,7 +26,8 @@ from ..backbones.loading import load_backbone, recorded_name
 from ..backbones.registry import lora_layers
 from ..pruning import layers_removed
 from ..replacement import fit_replacements, output_projection, replacements_applied
-from .checkpoint import CHECKPOINT_KEY, check_checkpoint, checkpoint_metadata, resumed_removal_range
+from .checkpoint import (CHECKPOINT_KEY, check_checkpoint, check_optimizer_settings, checkpoint_metadata,
+                         resumed_removal_range)
 from .losses import (PENALTIES, compute_penalty, distillation_kl, drop_rate_at, hidden_state_distillation,
                      routing_entropies)
 from .optim import SCHEDULES, base_lr, build_optimizer, lr_lambda
@@ -810,6 +811,9 @@ class RetrofitModule(pl.LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         meta = check_checkpoint(self, checkpoint)  # refuses a mismatched checkpoint before anything is loaded
+        trainer = self._trainer
+        if trainer is not None and trainer.state.fn == "fit":
+            check_optimizer_settings(checkpoint.get("hyper_parameters") or {}, self.hparams)
         if meta.get("removal_order") is not None:
             self._set_removal_order(meta["removal_order"])  # a resumed run keeps the schedule it started with
         if meta.get("removal_range") is not None:  # what it trained so far counts, with what this run trains
