@@ -10,12 +10,15 @@ import math
 import os
 import random
 import re
+import sys
 import tarfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
 from PIL import Image
+
+from vlm_retrofit.errors import InputError
 
 MANIFEST = "manifest.json"
 FORMAT = "vlm_retrofit.shards/1"
@@ -218,7 +221,7 @@ def write_records(
 ) -> dict:
     """Validate, shuffle (by `seed`), split and write `records`; returns the manifest (also written to disk)."""
     if maxcount < 1 or not 0.0 <= val_fraction < 1.0:
-        raise ValueError(f"need maxcount >= 1 and 0 <= val_fraction < 1, got {maxcount}, {val_fraction}")
+        raise InputError(f"need maxcount >= 1 and 0 <= val_fraction < 1, got {maxcount}, {val_fraction}")
     out = Path(output)
     out.mkdir(parents=True, exist_ok=True)
     skipped = list(skipped or [])
@@ -292,7 +295,7 @@ def build_shards(
         raise FileNotFoundError(f"shard builder input {src} is neither a folder nor a JSONL file")
     if not records:  # before anything is written: an empty manifest would only fail later, at training
         reasons = sorted({item["reason"] for item in skipped})
-        raise ValueError(f"shard builder input {src} holds no usable sample ({len(skipped)} inputs skipped"
+        raise InputError(f"shard builder input {src} holds no usable sample ({len(skipped)} inputs skipped"
                          f"{': ' + ', '.join(reasons[:5]) if reasons else ''}); expected images with same-name .txt "
                          "captions (or .json conversations) in a folder, or a JSONL file of records")
     return write_records(records, output, maxcount, val_fraction, seed, min_val_shards, skipped, str(input))
@@ -308,24 +311,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--min-val-shards", type=int, default=1,
                    help="spread the val split over at least this many shards (>= ranks x workers)")
     p.add_argument("--seed", type=int, default=0, help="shuffle / split seed (default 0)")
-    p.add_argument("--synthetic", type=int, default=0, metavar="N",
+    p.add_argument("--synthetic", type=int, default=None, metavar="N",
                    help="instead of --input, write N synthetic image-caption samples (no network needed)")
     args = p.parse_args(argv)
-    if args.synthetic:
-        from .synthetic import write_synthetic_shards
+    if (args.input is None) == (args.synthetic is None):
+        p.error("give --input or --synthetic N (one of them)")
+    if args.synthetic is not None and args.synthetic < 1:
+        p.error(f"--synthetic N writes N samples: N must be at least 1, got {args.synthetic}")
+    try:
+        if args.synthetic is not None:
+            from .synthetic import write_synthetic_shards
 
-        manifest = write_synthetic_shards(args.output, num_samples=args.synthetic, seed=args.seed,
-                                          maxcount=args.maxcount, val_fraction=args.val_fraction,
-                                          min_val_shards=args.min_val_shards)
-    elif args.input:
-        try:
+            manifest = write_synthetic_shards(args.output, num_samples=args.synthetic, seed=args.seed,
+                                              maxcount=args.maxcount, val_fraction=args.val_fraction,
+                                              min_val_shards=args.min_val_shards)
+        else:
             manifest = build_shards(args.input, args.output, args.maxcount, args.val_fraction, args.seed,
                                     args.min_val_shards)
-        except (FileNotFoundError, ValueError) as exn:
-            print(f"error: {exn}")
-            return 2
-    else:
-        p.error("give --input (or --synthetic N)")
+    except (FileNotFoundError, InputError) as exn:
+        print(f"shards refused: {exn}", file=sys.stderr)
+        return 1
     for split, info in manifest["splits"].items():
         print(f"{split}: {info['num_samples']} samples in {len(info['shards'])} shards "
               f"({args.output}/{info['pattern']})")

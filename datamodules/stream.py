@@ -21,11 +21,13 @@ from torch.utils.data import DataLoader, IterableDataset
 from webdataset.filters import _shuffle
 from webdataset.utils import pytorch_worker_info
 
+from vlm_retrofit.errors import InputError
+
 from .formatting import ChatFormatter, Example
 from .quality import DataQualityError, SkipCounter
 from .samples import Skip, decode_sample
 
-class ShardError(ValueError):
+class ShardError(InputError):
     """Shard patterns that cannot be used (nothing matched, missing files, not tars, too few for the workers, a
     training source none of whose shards yields a sample)."""
 

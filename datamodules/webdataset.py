@@ -15,6 +15,8 @@ import lightning.pytorch as pl
 from webdataset.shardlists import expand_urls
 from webdataset.utils import pytorch_worker_info
 
+from vlm_retrofit.errors import InputError
+
 from .formatting import ChatFormatter, load_processor
 from .quality import DataQualityCallback
 from .shards import MANIFEST
@@ -198,6 +200,17 @@ class WebDatasetDataModule(pl.LightningDataModule):
                 (logs `data/skipped/<reason>` every epoch and enforces max_bad_fraction).
         """
         super().__init__()
+        counts = dict(max_length=max_length, batch_size=batch_size, val_batch_size=val_batch_size or batch_size,
+                      train_samples_per_epoch=train_samples_per_epoch, synthetic_samples=synthetic_samples,
+                      max_image_pixels=max_image_pixels, max_image_side=max_image_side)
+        bad = [f"{k} must be >= 1, got {v}" for k, v in counts.items() if v < 1]
+        bad += [f"{k} must be >= 0, got {v}" for k, v in dict(num_workers=num_workers, shuffle_buffer=shuffle_buffer,
+                                                                  min_samples_for_check=min_samples_for_check).items() if v < 0]
+        bad += [f"{k} must be in [0, 1], got {v}" for k, v in dict(max_bad_fraction=max_bad_fraction,
+                                                                     text_only_fraction=text_only_fraction).items()
+                if not 0 <= v <= 1]
+        if bad:
+            raise InputError(f"WebDatasetDataModule: {'; '.join(bad)}")
         self.save_hyperparameters()
         self.processor_name = processor
         self.train_shards, self.train_weights, self.val_shards = train_shards, train_weights, val_shards

@@ -193,3 +193,26 @@ def test_bad_files_and_settings_are_refused_in_one_line_naming_them(tmp_path, ca
         printed = capsys.readouterr()
         assert message in printed.out + printed.err, (command, printed)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("options, message", [
+    (["--model.backbone", "/nonexistent/model"], "backbone '/nonexistent/model': no such folder"),
+    (["--model.backbone", "tiny:foo"], "unknown tiny family 'foo'"),
+    (["--ckpt_path", "/nonexistent.ckpt"], "--ckpt_path /nonexistent.ckpt: no such file"),
+    (["--ckpt_path", "README.md"], "--ckpt_path README.md is not a Lightning checkpoint"),
+    (["--ckpt_path", "configs"], "--ckpt_path configs is a folder"),
+    (["--data.train_shards", "/nonexistent"], "train_shards: '/nonexistent' matched no files"),
+    (["--data.batch_size", "0"], "WebDatasetDataModule: batch_size must be >= 1, got 0"),
+    (["--data.init_args.num_workers", "-1"], "WebDatasetDataModule: num_workers must be >= 0, got -1"),
+    (["--model.temperature", "0"], "temperature must be > 0"),
+    (["--model.removal_order", "impact", "--model.max_removed_blocks", "99"], "max_removed_blocks=99: only 2 blocks"),
+    (["--model.router.block_size", "0"], "RouterConfig.block_size must be >= 1"),
+])
+def test_fit_refuses_bad_settings_and_files_in_one_line_before_training(options, message, tmp_path, capsys,
+                                                                         monkeypatch):
+    # Before: tracebacks (OSError "Repo id must be in the form", UnpicklingError, ShardError, ZeroDivisionError),
+    # some only after the backbone loaded or training started.
+    monkeypatch.chdir(Path(__file__).parents[1])
+    assert main(["fit", "--trainer.max_steps", "1", "--trainer.default_root_dir", str(tmp_path), *options]) == 1
+    err = capsys.readouterr().err
+    assert f"fit refused: {message}" in err and "Traceback" not in err

@@ -115,16 +115,22 @@ def test_cli_main(tmp_path, capsys):
                  "--val-fraction", "0.25", "--min-val-shards", "2"]) == 0
     printed = capsys.readouterr().out
     assert "train: 5 samples in 3 shards" in printed and "val: 2 samples in 2 shards" in printed
-    assert main(["--input", str(tmp_path / "nope"), "--output", str(tmp_path / "x")]) == 2
+    assert main(["--input", str(tmp_path / "nope"), "--output", str(tmp_path / "x")]) == 1
     (tmp_path / "empty").mkdir()  # before: exit 0, nothing printed, a manifest of 0 samples that fit refused later
     (tmp_path / "empty" / "lonely.txt").write_text("a caption without its image")
     capsys.readouterr()
-    assert main(["--input", str(tmp_path / "empty"), "--output", str(tmp_path / "e")]) == 2
-    assert "holds no usable sample (1 inputs skipped: missing_image)" in capsys.readouterr().out
+    assert main(["--input", str(tmp_path / "empty"), "--output", str(tmp_path / "e")]) == 1
+    assert "shards refused: shard builder input" in capsys.readouterr().err
     assert not (tmp_path / "e").exists()
     from vlm_retrofit.cli import main as cli_main  # `python -m vlm_retrofit shards ...`
 
     assert cli_main(["shards", "--synthetic", "12", "--output", str(tmp_path / "syn"), "--maxcount", "5"]) == 0
+    # Before: a traceback (val fraction), or exit 0 with an empty manifest (-5) or --input ignored for --synthetic.
+    assert cli_main(["shards", "--synthetic", "12", "--output", str(tmp_path / "v"), "--val-fraction", "1.5"]) == 1
+    assert "0 <= val_fraction < 1" in capsys.readouterr().err
+    for wrong in (["--synthetic", "-5"], ["--synthetic", "5", "--input", str(src)]):
+        assert cli_main(["shards", "--output", str(tmp_path / "w"), *wrong]) == 2
+    assert not (tmp_path / "w").exists() and not (tmp_path / "v").exists()
 
 
 def test_synthetic_captions_describe_the_image():

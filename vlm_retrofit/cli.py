@@ -16,6 +16,8 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from .errors import InputError
+
 LIGHTNING_SUBCOMMANDS = ("fit", "validate", "test", "predict")
 
 # Subcommands implemented outside this file, imported only when used so `--help` stays fast.
@@ -128,8 +130,8 @@ def _lightning_cli_class():
             # refuses what it cannot take (`check_checkpoint`: another base, router layout, LoRA, ...).
             subcommand = self.config.get("subcommand")
             ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
-            if not ckpt_path or not Path(ckpt_path).is_file():
-                return
+            if not ckpt_path or ckpt_path in ("last", "best", "hpc") or ckpt_path.startswith("registry"):
+                return  # Lightning's own names, resolved once the trainer is built
             hparams = read_hyperparameters(ckpt_path)
             given, defaults = self.config[subcommand].model, self._subcommand_parsers[subcommand].get_defaults().model
             taken = settings_left_at_defaults(given, defaults, hparams)
@@ -161,11 +163,42 @@ def _lightning_cli_class():
     return RetrofitCLI, RetrofitModule
 
 
+def input_error(error: BaseException) -> InputError | None:
+    """The `InputError` that `error` is or was raised from (`raise ... from`: jsonargparse wraps what a subclass's
+    `__init__` raises in its own ValueError), if any."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        if isinstance(current, InputError):
+            return current
+        seen.add(id(current))
+        current = current.__cause__  # not __context__: a bug raised while handling a refusal keeps its traceback
+    return None
+
+
 def read_hyperparameters(ckpt_path: str) -> dict[str, Any]:
-    """The model's init arguments a Lightning checkpoint recorded (empty where it recorded none)."""
+    """The model's init arguments a Lightning checkpoint recorded (empty where it recorded none); a path that is not
+    a checkpoint file is refused naming what it is."""
+    import pickle
+
     import torch
 
-    hparams = dict(torch.load(ckpt_path, weights_only=True, map_location="cpu").get("hyper_parameters") or {})
+    path = Path(ckpt_path)
+    if path.is_dir():
+        raise InputError(f"--ckpt_path {ckpt_path} is a folder: give a checkpoint file (<run>/checkpoints/*.ckpt) or "
+                         "'last'. An adapter or release folder is read by calibrate, generate and merge (--model)")
+    if not path.is_file():
+        raise InputError(f"--ckpt_path {ckpt_path}: no such file. Give a checkpoint file (<run>/checkpoints/*.ckpt) "
+                         "or 'last' (the run's latest, under --trainer.default_root_dir)")
+    try:
+        checkpoint = torch.load(path, weights_only=True, map_location="cpu")
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as error:
+        # torch's own message advises weights_only=False, which runs whatever code the file holds: not repeated.
+        raise InputError(f"--ckpt_path {ckpt_path} is not a Lightning checkpoint this package can read safely (a "
+                         "torch file of tensors and plain values, as `fit` writes under <run>/checkpoints)") from error
+    if not isinstance(checkpoint, dict):
+        raise InputError(f"--ckpt_path {ckpt_path} is not a Lightning checkpoint (it holds a {type(checkpoint).__name__})")
+    hparams = dict(checkpoint.get("hyper_parameters") or {})
     hparams.pop("_instantiator", None)
     return hparams
 
@@ -281,15 +314,13 @@ def main(args: Sequence[str] | None = None) -> int:
             code = exit_.code
             return code if isinstance(code, int) else (0 if code is None else 1)
         except Exception as error:
-            from .backbones import UnsupportedBackboneError
-            from .routing.adapter import AdapterMismatchError
-            from .training.checkpoint import NothingToResumeError
-
-            # Refusals of what the user gave (an unsupported family, a checkpoint that does not fit this run, nothing
-            # to resume): one line, before any training; anything else is a bug worth its traceback.
-            if not isinstance(error, (UnsupportedBackboneError, AdapterMismatchError, NothingToResumeError)):
+            # Refusals of what the user gave (a setting that cannot work, an unsupported family, shards that cannot
+            # be read, a checkpoint that does not fit this run, nothing to resume): one line; anything else is a bug
+            # worth its traceback.
+            refusal = input_error(error)
+            if refusal is None:
                 raise
-            print(f"{command} refused: {error}", file=sys.stderr)
+            print(f"{command} refused: {refusal}", file=sys.stderr)
             return 1
         trainer = getattr(cli, "trainer", None)
         if any(getattr(callback, "interrupted", False) for callback in getattr(trainer, "callbacks", [])):
@@ -306,14 +337,9 @@ def main(args: Sequence[str] | None = None) -> int:
         status = _load(command)(rest)
     except SystemExit as exit_:  # argparse --help / errors
         status = exit_.code
-    except Exception as error:
-        from .backbones import UnsupportedBackboneError
-        from .routing.adapter import AdapterMismatchError
-
-        # What the user gave does not fit (a missing or moved file, an adapter for another base, an unregistered
-        # family): said in one line, before any work, as merge does; anything else is a bug worth its traceback.
-        if not isinstance(error, (FileNotFoundError, FileExistsError, AdapterMismatchError, UnsupportedBackboneError)):
-            raise
+    except (InputError, FileNotFoundError, FileExistsError) as error:
+        # What the user gave does not fit (a setting, a missing or moved file, an adapter for another base, an
+        # unregistered family): said in one line, as merge does; anything else is a bug worth its traceback.
         print(f"{command} refused: {error}", file=sys.stderr)
         return 1
     return status if isinstance(status, int) else (0 if status is None else 1)

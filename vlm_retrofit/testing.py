@@ -14,6 +14,8 @@ import torch
 import transformers as tf
 from PIL import Image
 
+from .errors import InputError
+
 __all__ = ["FAMILIES", "tiny_vlm", "tiny_inputs"]
 
 FAMILIES: tuple[str, ...] = (
@@ -406,7 +408,7 @@ def tiny_vlm(family: str, **overrides):
     tokenizer, whose length is the vocabulary size.
     """
     if family not in _SPECS:
-        raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
+        raise InputError(f"unknown tiny family {family!r} (tiny:<family>); expected one of {FAMILIES}")
     spec = _SPECS[family]
     text_cls = getattr(tf, spec.text_cfg)
     valid = {f.name for f in dataclasses.fields(text_cls)}

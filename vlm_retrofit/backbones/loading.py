@@ -5,14 +5,18 @@ from __future__ import annotations
 import contextlib
 import importlib
 import json
+import re
 from pathlib import Path
 from typing import Any, Iterator
 
 import torch
 from torch import nn
 
+from ..errors import InputError
 from .registry import spec_for
 
+HUB_ID = r"[\w.-]+(/[\w.-]+)?"
+"""What a model hub id looks like (`name` or `org/name`); a backbone name of another form is a local path."""
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
 
@@ -22,7 +26,7 @@ def resolve_dtype(name: str | None) -> torch.dtype | str | None:
     if name is None or name == "auto":
         return name
     if name not in DTYPES:
-        raise ValueError(f"torch_dtype must be one of {sorted(DTYPES)}, 'auto' or null, got {name!r}")
+        raise InputError(f"torch_dtype must be one of {sorted(DTYPES)}, 'auto' or null, got {name!r}")
     return DTYPES[name]
 
 
@@ -56,7 +60,7 @@ def release_folders(name: str) -> tuple[str, str] | None:
     config = json.loads(config_path.read_text())
     if not (config.get("pruned") and config.get("full_weights")):
         base = config.get("base_model", {}).get("name")
-        raise ValueError(
+        raise InputError(
             f"{name} is a vlm_retrofit release of trained routers on top of {base!r}: without them no model in it "
             "computes what the release does. Use its base as the backbone, or write a pruned release (merge "
             "--prune-target) and use that folder")
@@ -148,6 +152,9 @@ def load_backbone(name: str, *, trust_remote_code: bool = False, torch_dtype: st
     release = release_folders(name)
     if release is not None:
         name, processor_from = release[0], processor_from or release[1]
+    elif not Path(name).is_dir() and (name.startswith((".", "/", "~")) or not re.fullmatch(HUB_ID, name)):
+        raise InputError(f"backbone {name!r}: no such folder. Give a hub id (org/name) or a folder that holds a saved "
+                         "model (build it first where a config says how, e.g. `python -m bench.real_vlm`)")
     load_kw: dict[str, Any] = dict(trust_remote_code=trust_remote_code, **kwargs)
     if dtype is not None:
         load_kw["dtype"] = dtype

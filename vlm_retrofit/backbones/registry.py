@@ -11,6 +11,8 @@ from typing import Any, Callable, NamedTuple, Sequence
 import torch
 from torch import Tensor, nn
 
+from ..errors import InputError
+
 
 def unwrap_model(model: nn.Module) -> nn.Module:
     """Return the Hugging Face model inside a `peft` wrapper (or the model itself)."""
@@ -252,7 +254,7 @@ _plugins_loaded = False
 _plugin_failures: list[str] = []
 
 
-class UnsupportedBackboneError(ValueError):
+class UnsupportedBackboneError(InputError):
     """A model family without a registered `BackboneSpec`."""
 
 

@@ -16,6 +16,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ..backbones import (BackboneSpec, base_fingerprint, differing_weights, layer_hidden_states, lora_layers, resolve,
                          unwrap_model, with_layer_hidden_states)
+from ..errors import InputError
 from ..files import atomic_write
 from .config import BlockLayout, RouterConfig
 from .router import DepthRouter, SkipGate
@@ -34,7 +35,7 @@ CACHELESS_LAYERS = "_vlm_retrofit_cacheless_layers"
 _ATTACHED: "weakref.WeakKeyDictionary[nn.Module, RouterAdapter]" = weakref.WeakKeyDictionary()
 
 
-class AdapterMismatchError(ValueError):
+class AdapterMismatchError(InputError):
     """An adapter (or checkpoint) was made for a different base model than the one given."""
 
 

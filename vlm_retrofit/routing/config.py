@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Iterable, Sequence
 
+from ..errors import InputError
+
 
 @dataclass
 class RouterConfig:
@@ -32,11 +34,11 @@ class RouterConfig:
 
     def __post_init__(self) -> None:
         if int(self.block_size) < 1:
-            raise ValueError(f"RouterConfig.block_size must be >= 1, got {self.block_size}")
+            raise InputError(f"RouterConfig.block_size must be >= 1, got {self.block_size}")
         if self.key_norm_eps <= 0:
-            raise ValueError(f"RouterConfig.key_norm_eps must be > 0, got {self.key_norm_eps}")
+            raise InputError(f"RouterConfig.key_norm_eps must be > 0, got {self.key_norm_eps}")
         if self.init_scale < 0:
-            raise ValueError(f"RouterConfig.init_scale must be >= 0, got {self.init_scale}")
+            raise InputError(f"RouterConfig.init_scale must be >= 0, got {self.init_scale}")
         for name in ("block_starts", "skippable_blocks", "never_skip_blocks"):
             value = getattr(self, name)
             if value is not None:
@@ -50,7 +52,7 @@ class RouterConfig:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
-            raise ValueError(f"unknown RouterConfig field(s) {unknown}; valid fields: {sorted(known)}")
+            raise InputError(f"unknown RouterConfig field(s) {unknown}; valid fields: {sorted(known)}")
         return cls(**data)
 
     def layout(self, num_layers: int, backbone_never_skip_layers: Iterable[int] = ()) -> "BlockLayout":
@@ -58,7 +60,7 @@ class RouterConfig:
         if self.block_starts is not None:
             starts = list(self.block_starts)
             if not starts or starts[0] != 0 or any(b <= a for a, b in zip(starts, starts[1:])) or starts[-1] >= num_layers:
-                raise ValueError(
+                raise InputError(
                     f"RouterConfig.block_starts={starts} must start at 0, increase strictly and stay below "
                     f"the backbone's {num_layers} layers"
                 )
@@ -74,7 +76,7 @@ class RouterConfig:
         def check(name: str, blocks: Sequence[int]) -> set[int]:
             bad = [b for b in blocks if not 0 <= b < num_blocks]
             if bad:
-                raise ValueError(
+                raise InputError(
                     f"RouterConfig.{name} has block index(es) {bad}, but this backbone has {num_blocks} blocks "
                     f"({num_layers} layers, blocks of {self.block_size if self.block_starts is None else 'custom'} "
                     f"size): valid indices are 0..{num_blocks - 1}"

@@ -15,6 +15,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_warn
 
+from ..errors import InputError
 from ..routing import AdapterMismatchError, check_fingerprint
 from ..routing.adapter import check_layout
 
@@ -179,7 +180,7 @@ def use_run_folder(callback: ModelCheckpoint, trainer: "pl.Trainer") -> None:
         callback.dirpath = os.path.realpath(os.path.join(trainer.default_root_dir, "checkpoints"))
 
 
-class NothingToResumeError(FileNotFoundError):
+class NothingToResumeError(InputError, FileNotFoundError):
     """`--ckpt_path last` where the checkpoint folder holds checkpoints but no `last.ckpt`."""
 
 

@@ -24,6 +24,7 @@ from ..skipping.runtime import resolve_budget
 from ..routing import RouterConfig, attach_routers
 from ..backbones.loading import load_backbone, recorded_name
 from ..backbones.registry import lora_layers
+from ..errors import InputError
 from ..pruning import layers_removed
 from ..replacement import fit_replacements, output_projection, replacements_applied
 from .checkpoint import (CHECKPOINT_KEY, check_checkpoint, check_optimizer_settings, checkpoint_metadata,
@@ -243,59 +244,61 @@ class RetrofitModule(pl.LightningModule):
         super().__init__()
         router_cfg = _router_config(router)
         if compute_penalty not in PENALTIES:
-            raise ValueError(f"compute_penalty must be one of {PENALTIES}, got {compute_penalty!r}")
+            raise InputError(f"compute_penalty must be one of {PENALTIES}, got {compute_penalty!r}")
         if scheduler not in SCHEDULES:
-            raise ValueError(f"scheduler must be one of {SCHEDULES}, got {scheduler!r}")
+            raise InputError(f"scheduler must be one of {SCHEDULES}, got {scheduler!r}")
         if not 0.0 <= max_drop_rate < 1.0:
-            raise ValueError(f"max_drop_rate must be in [0, 1), got {max_drop_rate}")
+            raise InputError(f"max_drop_rate must be in [0, 1), got {max_drop_rate}")
         if distill_positions not in ("response", "text"):
-            raise ValueError(f"distill_positions must be 'response' or 'text', got {distill_positions!r}")
+            raise InputError(f"distill_positions must be 'response' or 'text', got {distill_positions!r}")
         if max_removed_blocks < 0:
-            raise ValueError(f"max_removed_blocks must be >= 0, got {max_removed_blocks}")
+            raise InputError(f"max_removed_blocks must be >= 0, got {max_removed_blocks}")
         if not 0 <= min_removed_blocks <= max_removed_blocks:
-            raise ValueError(f"min_removed_blocks must be in 0..max_removed_blocks={max_removed_blocks}, "
+            raise InputError(f"min_removed_blocks must be in 0..max_removed_blocks={max_removed_blocks}, "
                              f"got {min_removed_blocks}")
         if removal_count_weights is not None:
             counts = max_removed_blocks - min_removed_blocks + 1
             weights = [float(w) for w in removal_count_weights]
             # > 0: every count in min..max is recorded as trained (a release of it is accepted), so each is drawn.
             if len(weights) != counts or any(not math.isfinite(w) or w <= 0 for w in weights):
-                raise ValueError(f"removal_count_weights must give {counts} finite weights > 0, one per count "
+                raise InputError(f"removal_count_weights must give {counts} finite weights > 0, one per count "
                                  f"{min_removed_blocks}..{max_removed_blocks} (narrow the range to leave a count "
                                  f"out); got {removal_count_weights!r}")
         if max_removed_blocks and removal_order is None:
-            raise ValueError("max_removed_blocks needs a removal_order (a list of blocks, or 'impact')")
+            raise InputError("max_removed_blocks needs a removal_order (a list of blocks, or 'impact')")
         if isinstance(removal_order, str) and removal_order not in ("impact", "joint", "span"):
-            raise ValueError("removal_order must be a list of block indices, 'impact', 'joint' or 'span', got "
+            raise InputError("removal_order must be a list of block indices, 'impact', 'joint' or 'span', got "
                              f"{removal_order!r}")
         if removal_order in ("joint", "span") and not max_removed_blocks:
-            raise ValueError(f"removal_order: {removal_order} picks max_removed_blocks blocks; set max_removed_blocks >= 1")
+            raise InputError(f"removal_order: {removal_order} picks max_removed_blocks blocks; set max_removed_blocks >= 1")
         if not train_routers and not (lora and max_removed_blocks >= 1 and max_drop_rate == 0):
-            raise ValueError("train_routers: false trains a LoRA to heal removed blocks: it needs lora, "
+            raise InputError("train_routers: false trains a LoRA to heal removed blocks: it needs lora, "
                              f"max_removed_blocks >= 1 and max_drop_rate: 0 (got lora={'set' if lora else None}, "
                              f"max_removed_blocks={max_removed_blocks}, max_drop_rate={max_drop_rate})")
+        if not temperature > 0:
+            raise InputError(f"temperature must be > 0, got {temperature}")
         if hidden_weight < 0:
-            raise ValueError(f"hidden_weight must be >= 0, got {hidden_weight}")
+            raise InputError(f"hidden_weight must be >= 0, got {hidden_weight}")
         if hidden_weight and train_routers:
-            raise ValueError("hidden_weight matches the hidden states of a student with layers removed to the "
+            raise InputError("hidden_weight matches the hidden states of a student with layers removed to the "
                              "teacher's: it needs train_routers: false (LoRA healing of removed blocks)")
         if replace_removed and (train_routers or min_removed_blocks != max_removed_blocks):
-            raise ValueError("replace_removed fits a replacement for one set of removed layers: it needs "
+            raise InputError("replace_removed fits a replacement for one set of removed layers: it needs "
                              "train_routers: false and min_removed_blocks == max_removed_blocks (got train_routers="
                              f"{train_routers}, min_removed_blocks={min_removed_blocks}, max_removed_blocks="
                              f"{max_removed_blocks})")
         if replace_removed and replacement_batches < 1:
-            raise ValueError(f"replacement_batches must be >= 1, got {replacement_batches}")
+            raise InputError(f"replacement_batches must be >= 1, got {replacement_batches}")
         if isinstance(skip_candidates, bool) or (isinstance(skip_candidates, int) and skip_candidates < 1):
-            raise ValueError(f"skip_candidates must be a count >= 1 or a list of blocks, got {skip_candidates!r}")
+            raise InputError(f"skip_candidates must be a count >= 1 or a list of blocks, got {skip_candidates!r}")
         if max_nonfinite_steps < 1:
-            raise ValueError(f"max_nonfinite_steps must be >= 1, got {max_nonfinite_steps}")
+            raise InputError(f"max_nonfinite_steps must be >= 1, got {max_nonfinite_steps}")
         if compute_target is not None and not 0 < compute_target <= 1:
-            raise ValueError(f"compute_target is the fraction of decoder-block compute to execute, in (0, 1]; got "
+            raise InputError(f"compute_target is the fraction of decoder-block compute to execute, in (0, 1]; got "
                              f"{compute_target}")
         gated = bool(use_gates and router_cfg.skip_gate)
         if compute_target is not None and not (train_routers and gated):
-            raise ValueError("compute_target pulls the learned skip gates toward that compute: it needs "
+            raise InputError("compute_target pulls the learned skip gates toward that compute: it needs "
                              "router.skip_gate: true, use_gates: true and trained routers (got skip_gate="
                              f"{router_cfg.skip_gate}, use_gates={use_gates}, train_routers={train_routers}); set "
                              "compute_target: null otherwise (the penalty would be a constant)")
@@ -304,7 +307,7 @@ class RetrofitModule(pl.LightningModule):
                            "sampled, so they stay untrained and the gate policy will not skip on this adapter; set "
                            "skip_gate: false, or use_gates: true to train them")
         if train_routers and not (gated or max_drop_rate > 0 or max_removed_blocks):
-            raise ValueError("nothing makes the routers learn: at identity the student is the teacher, so the KL and "
+            raise InputError("nothing makes the routers learn: at identity the student is the teacher, so the KL and "
                              "its gradient are zero (what training then moves is rounding noise). Give skip pressure: "
                              "max_drop_rate > 0, learned skip gates (router.skip_gate and use_gates) with a "
                              "compute_target, or a removal schedule (max_removed_blocks)")
@@ -328,7 +331,7 @@ class RetrofitModule(pl.LightningModule):
         self.adapter = attach_routers(model, router_cfg)
         layout = self.adapter.layout
         if not layout.skippable_blocks:
-            raise ValueError(f"no block may skip: router.block_size {router_cfg.block_size} on {layout.num_layers} "
+            raise InputError(f"no block may skip: router.block_size {router_cfg.block_size} on {layout.num_layers} "
                              f"layers makes blocks {list(layout.block_starts)}, all never-skip "
                              f"({list(layout.never_skip_blocks)}: the first, the last and any feature-injecting block). "
                              "Use a smaller block_size")
@@ -340,7 +343,7 @@ class RetrofitModule(pl.LightningModule):
                 always |= set(layout.skippable_blocks) - {int(b) for b in skip_candidates}
             floor = len(layout.layers_of_blocks(sorted(always))) / layout.num_layers
             if compute_target < floor - 1e-9:
-                raise ValueError(f"compute_target {compute_target} is below what always runs: {floor:.3f} of the "
+                raise InputError(f"compute_target {compute_target} is below what always runs: {floor:.3f} of the "
                                  f"decoder layers (blocks {sorted(always)} never skip). Set compute_target >= "
                                  f"{floor:.3f}, or allow more blocks to skip (block_size, never_skip_blocks, "
                                  "skip_candidates)")
@@ -358,11 +361,14 @@ class RetrofitModule(pl.LightningModule):
         if skip_candidates is not None and not isinstance(skip_candidates, int):
             self._set_skip_candidates(skip_candidates)  # a list is checked now, before any work
         self.adapter.skip_image_positions = bool(skip_image_positions)
+        if max_removed_blocks > len(layout.skippable_blocks):  # a ranked order is only known at the first batch
+            raise InputError(f"max_removed_blocks={max_removed_blocks}: only {len(layout.skippable_blocks)} blocks may "
+                             f"be removed ({list(layout.skippable_blocks)}; the others never skip)")
         if max_removed_blocks:  # what the schedule removes, so a release of another removal can be refused
             self.adapter.removal_range = (int(min_removed_blocks), int(max_removed_blocks))
             budget = resolve_budget(skip_budget, len(self.adapter.layout.skippable_blocks))
             if budget is not None and budget < max_removed_blocks:  # the removed blocks count against it
-                raise ValueError(f"skip_budget={skip_budget} lets a token skip {budget} blocks, fewer than the "
+                raise InputError(f"skip_budget={skip_budget} lets a token skip {budget} blocks, fewer than the "
                                  f"max_removed_blocks={max_removed_blocks} every token skips: raise skip_budget or "
                                  "lower max_removed_blocks")
         self.strict_loading = False  # checkpoints hold trainable state only; on_load_checkpoint checks it all
@@ -469,10 +475,10 @@ class RetrofitModule(pl.LightningModule):
         order = [int(b) for b in order]
         bad = sorted(set(b for b in order if b not in layout.skippable_blocks))
         if bad or len(set(order)) != len(order):
-            raise ValueError(f"removal_order {order} must list distinct skippable blocks; {bad} cannot be skipped "
+            raise InputError(f"removal_order {order} must list distinct skippable blocks; {bad} cannot be skipped "
                              f"(skippable: {list(layout.skippable_blocks)})")
         if self.hparams.max_removed_blocks > len(order):
-            raise ValueError(f"max_removed_blocks={self.hparams.max_removed_blocks} exceeds the {len(order)} blocks "
+            raise InputError(f"max_removed_blocks={self.hparams.max_removed_blocks} exceeds the {len(order)} blocks "
                              "of removal_order")
         self.adapter.removal_order = order
 

@@ -9,6 +9,8 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
+from ..errors import InputError
+
 SCHEDULES = ("cosine", "linear", "constant")
 
 
@@ -17,7 +19,7 @@ def optimizer_class(name: str) -> type[torch.optim.Optimizer]:
     if "." not in name:
         cls = getattr(torch.optim, name, None)
         if cls is None:
-            raise ValueError(f"unknown optimizer {name!r}: not in torch.optim (give a dotted path for others)")
+            raise InputError(f"unknown optimizer {name!r}: not in torch.optim (give a dotted path for others)")
         return cls
     module, _, attr = name.rpartition(".")
     return getattr(importlib.import_module(module), attr)
@@ -73,7 +75,7 @@ def build_optimizer(named: Iterable[tuple[str, nn.Parameter]], name: str = "Adam
                     query_lr_scale: float = 1.0, lora_b_lr_scale: float = 1.0) -> torch.optim.Optimizer:
     for label, scale in (("query_lr_scale", query_lr_scale), ("lora_b_lr_scale", lora_b_lr_scale)):
         if scale <= 0:
-            raise ValueError(f"{label} must be > 0, got {scale}")
+            raise InputError(f"{label} must be > 0, got {scale}")
     groups = parameter_groups(named, weight_decay, lr, query_lr_scale, lora_b_lr_scale)
     return optimizer_class(name)(groups, lr=lr, **(kwargs or {}))
 
@@ -88,9 +90,9 @@ def lr_lambda(schedule: str, warmup_steps: int, total_steps: int | None, min_lr_
     """Multiplier of the base LR at optimizer step `step`: linear warmup, then cosine / linear decay to
     `min_lr_ratio` at `total_steps` (constant when `total_steps` is None or the schedule is "constant")."""
     if schedule not in SCHEDULES:
-        raise ValueError(f"scheduler must be one of {SCHEDULES}, got {schedule!r}")
+        raise InputError(f"scheduler must be one of {SCHEDULES}, got {schedule!r}")
     if not 0.0 <= min_lr_ratio <= 1.0:
-        raise ValueError(f"min_lr_ratio must be in [0, 1], got {min_lr_ratio}")
+        raise InputError(f"min_lr_ratio must be in [0, 1], got {min_lr_ratio}")
 
     def factor(step: int) -> float:
         if warmup_steps > 0 and step < warmup_steps:
