@@ -37,6 +37,8 @@ def test_fit_help_documents_the_module_arguments(capsys):
     for text in ("--model.backbone", "tiny:<family>", "--model.compute_target", "--model.router.skip_gate",
                  "--model.max_nonfinite_steps", "--ckpt_path", "--data CONFIG | CLASS_PATH_OR_NAME"):
         assert text in out
+    # RouterConfig's attribute docstrings (before: no help text under any --model.router.* option).
+    assert re.search(r"--model\.router\.block_size BLOCK_SIZE\s+Decoder layers per routed block", out)
 
 
 def test_shipped_configs_include_tiny_and_real_backbone_templates():
@@ -166,12 +168,14 @@ def test_test_and_predict_run_on_the_default_datamodule(tmp_path, monkeypatch, c
     (["--skip-policy", "static", "--threshold", "0.9"], "--skip-policy static reads its settings from a calibration"),
     (["--skip-policy", "random"], "--skip-policy random needs --target-saving"),
     (["--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
+    (["--skip-policy", "gate", "--threshold", "2"], "--threshold is a routing weight or gate probability in [0, 1]"),
+    (["--skip-policy", "gate", "--target-saving", "-1"], "--target-saving is a fraction between 0 and 1, got -1.0"),
 ])
 def test_generate_refuses_skip_options_it_would_ignore_or_override_before_loading_anything(options, problem, capsys):
     # Before: --target-saving or --threshold without a policy were dropped ("[no skipping]"), a threshold silently
     # overrode a stored calibration, and random / static failed on settings the command line cannot give.
     assert main(["generate", "--model", "/nonexistent/release", "--prompt", "Hi", *options]) == 1
-    assert problem in capsys.readouterr().out
+    assert problem in capsys.readouterr().err
 
 
 def test_bad_files_and_settings_are_refused_in_one_line_naming_them(tmp_path, capsys):
@@ -187,6 +191,10 @@ def test_bad_files_and_settings_are_refused_in_one_line_naming_them(tmp_path, ca
         (["calibrate", "--model", str(tmp_path / "garbage.ckpt"), "--target-saving", "0.2", "1.5"],
          "fractions between 0 and 1 (got [1.5])"),
         (["calibrate", "--model", str(tmp_path / "garbage.ckpt")], "garbage.ckpt is not a readable checkpoint"),
+        (["calibrate", "--model", str(tmp_path / "garbage.ckpt"), "--batch-size", "0", "--candidates", "0"],
+         "--batch-size must be at least 1, got 0; --candidates must be at least 1, got 0"),
+        (["merge", "--ckpt", str(tmp_path / "garbage.ckpt"), "--output", str(tmp_path / "out"), "--prune-target",
+          "-0.2"], "--prune-target is a fraction of the decoder layers between 0 and 1, got -0.2"),
     ]
     for command, message in cases:
         assert main(command) == 1, command

@@ -164,14 +164,14 @@ def test_pruned_release_commands_and_refusals(trained_removal, tmp_path, capsys)
     assert "base model: " in out and re.search(r"agreement with the base's answer: \d/3 tokens; decode \d+\.\d\dx", out)
     assert main(["generate", "--model", str(tmp_path / "pruned"), "--prompt", "Hi", "--skip-policy", "static",
                  "--target-saving", "0.2"]) == 1
-    assert "drop --skip-policy" in capsys.readouterr().out
+    assert "drop --skip-policy" in capsys.readouterr().err
     assert main(["calibrate", "--model", str(tmp_path / "pruned"), "--policy", "static"]) == 1
-    assert "pruned release" in capsys.readouterr().out
+    assert "pruned release" in capsys.readouterr().err
     with pytest.raises(ValueError, match="pruned release"):
         merge(tmp_path / "pruned", tmp_path / "again")
     # A block that may not be removed is refused before anything is written.
     assert main(["merge", "--ckpt", str(trained_removal), "--output", str(tmp_path / "bad"), "--prune-blocks", "0"]) == 1
-    assert "cannot be pruned" in capsys.readouterr().out and not (tmp_path / "bad").exists()
+    assert "cannot be pruned" in capsys.readouterr().err and not (tmp_path / "bad").exists()
 
 
 def test_untrained_removal_is_named_and_refused_unless_asked_for():
@@ -200,7 +200,7 @@ def test_merge_refuses_a_removal_the_adapter_was_not_trained_for(trained_removal
     last = saved["removal_order"][-1]  # never removed in training
     args = ["merge", "--ckpt", str(trained_removal), "--output", str(tmp_path / "pruned"), "--prune-blocks", str(last)]
     assert main(args) == 1
-    assert "merge refused: removing blocks" in capsys.readouterr().out and not (tmp_path / "pruned").exists()
+    assert "merge refused: removing blocks" in capsys.readouterr().err and not (tmp_path / "pruned").exists()
     assert main([*args, "--allow-untrained-removal"]) == 0
     config = json.loads((tmp_path / "pruned" / "release_config.json").read_text())
     assert config["pruned"]["removed_blocks"] == [last] and config["pruned"]["removal_trained"] is False

@@ -226,7 +226,7 @@ def test_a_checkpoint_for_another_base_is_refused_naming_both(trained, tmp_path,
     assert "tiny:llava" in str(error.value) and "tiny:qwen2_vl" in str(error.value)
     assert not (tmp_path / "release").exists()
     assert main(["merge", "--ckpt", str(checkpoint), "--output", str(tmp_path / "r"), "--base", "tiny:qwen2_vl"]) == 1
-    assert "merge refused" in capsys.readouterr().out and not (tmp_path / "r").exists()
+    assert "merge refused" in capsys.readouterr().err and not (tmp_path / "r").exists()
 
 
 def test_remote_code_an_adapter_records_runs_only_when_the_caller_allows_it(trained, tmp_path, capsys):
@@ -239,7 +239,7 @@ def test_remote_code_an_adapter_records_runs_only_when_the_caller_allows_it(trai
     with pytest.raises(ValueError, match="trust_remote_code=True.*--trust-remote-code"):
         load_trained(adapter)
     assert main(["merge", "--ckpt", str(adapter), "--output", str(tmp_path / "refused")]) == 1
-    assert "merge refused" in capsys.readouterr().out and not (tmp_path / "refused").exists()
+    assert "merge refused" in capsys.readouterr().err and not (tmp_path / "refused").exists()
     assert main(["merge", "--ckpt", str(adapter), "--output", str(tmp_path / "release"), "--trust-remote-code"]) == 0
     with pytest.raises(ValueError, match="trust_remote_code"):
         load_release(tmp_path / "release")  # the release records it too
@@ -297,10 +297,10 @@ def test_calibrate_merge_generate_commands(trained, tmp_path, capsys):
     assert "agreement with the base's answer: " in out and "x the base's tokens/s" in out
     assert main(["generate", "--model", str(tmp_path / "release"), "--prompt", "Hi", "--skip-policy", "recent_weight",
                  "--target-saving", "0.9"]) == 1  # not calibrated for 0.9: refused with the way forward
-    assert "calibrate" in capsys.readouterr().out
+    assert "calibrate" in capsys.readouterr().err
     # A release stores its calibration in its own router/: an adapter folder elsewhere would lose its merged LoRA.
     assert main(["calibrate", "--model", str(tmp_path / "release"), "--output", str(tmp_path / "elsewhere")]) == 1
-    assert "is a release" in capsys.readouterr().out and not (tmp_path / "elsewhere").exists()
+    assert "is a release" in capsys.readouterr().err and not (tmp_path / "elsewhere").exists()
 
 
 def test_merge_and_calibrate_refuse_an_output_that_holds_other_files_or_their_input(trained, tmp_path, capsys):
@@ -314,10 +314,17 @@ def test_merge_and_calibrate_refuse_an_output_that_holds_other_files_or_their_in
                     ["calibrate", "--model", str(checkpoint), "--output", str(run), "--batches", "1"]):
         assert main(command) == 1
         printed = capsys.readouterr()
-        assert "not an adapter or release folder" in printed.out + printed.err
+        assert "which is not an earlier" in printed.err
         assert (run / "checkpoints" / "last.ckpt").read_bytes() == b"training state"
     copy = tmp_path / "adapter"
     shutil.copytree(adapter_dir, copy)
+    # A release written over a trained adapter (another run's) would lose it; an adapter over a release likewise.
+    assert main(["merge", "--ckpt", str(checkpoint), "--output", str(copy)]) == 1
+    assert f"{copy} is an adapter folder: writing this release would replace it whole" in capsys.readouterr().err
+    merge(checkpoint, tmp_path / "a-release")
+    assert main(["calibrate", "--model", str(checkpoint), "--output", str(tmp_path / "a-release"), "--batches",
+                 "1"]) == 1
+    assert "is a release folder: writing this adapter would replace it" in capsys.readouterr().err
     with pytest.raises(ValueError, match="holds the input"):
         merge(copy, copy)
     with pytest.raises(ValueError, match="holds the input"):
@@ -430,4 +437,4 @@ def test_calibrate_on_shards_without_a_usable_sample_names_them_in_one_line(trai
     _, adapter_dir = trained
     assert main(["calibrate", "--model", str(adapter_dir), "--shards", str(tmp_path / "bad.tar"),
                  "--output", str(tmp_path / "calibrated")]) == 1
-    assert f"calibrate: --shards {tmp_path / 'bad.tar'}: val_shards yielded no batch" in capsys.readouterr().out
+    assert f"calibrate refused: --shards {tmp_path / 'bad.tar'}: val_shards yielded no batch" in capsys.readouterr().err

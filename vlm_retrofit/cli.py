@@ -91,12 +91,19 @@ def _usage() -> str:
         "usage: python -m vlm_retrofit {" + ",".join(_commands()) + "} [options]  (see <subcommand> --help)\n"
         "  fit       train the depth routers by self-distillation (no options: the built-in tiny demo;\n"
         "            --config configs/<name>.yaml for a real backbone; --ckpt_path last resumes)\n"
-        "  validate / test / predict   evaluate a checkpoint (--ckpt_path) with the same config"
+        "  validate / test / predict   evaluate a checkpoint (--ckpt_path) with the same config\n"
+        "  shards    write WebDataset shards from images + captions, a JSONL file, or synthetic samples\n"
+        "  calibrate set skip thresholds for target savings on calibration shards; store them with the adapter\n"
+        "  generate  answer a prompt (and an image) with skipping; report the compute saved\n"
+        "  merge     write a release folder from a checkpoint or adapter (--prune-target: a pruned, plain model)"
     )
 
 
 def _lightning_cli_class():
-    from jsonargparse import lazy_instance
+    from jsonargparse import lazy_instance, set_parsing_settings
+
+    # RouterConfig documents its fields as attribute docstrings: without this, `--model.router.*` had no help text.
+    set_parsing_settings(docstring_parse_attribute_docstrings=True)
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.cli import LightningCLI
 

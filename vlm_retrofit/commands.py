@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 from itertools import islice
 from pathlib import Path
@@ -38,15 +39,18 @@ def _adapter_output(loaded: Loaded, source: Path, output: str | None) -> tuple[P
 
 def calibrate_main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m vlm_retrofit calibrate",
-        description="Set per-block skip thresholds that reach target compute savings on calibration shards, "
-                    "measure agreement with unskipped generation, and store both with the adapter.")
+        prog="python -m vlm_retrofit calibrate", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Set per-block skip thresholds that skip a target share of the decoder-layer executions on "
+                    "calibration shards, measure what generating with them saves and how its answers agree with "
+                    "unskipped generation, and store both with the adapter.")
     parser.add_argument("--model", required=True, help="checkpoint (.ckpt), router adapter folder or release folder")
     parser.add_argument("--base", default=None, help="base model, if not the one the adapter names")
     parser.add_argument("--shards", default=None, help="calibration WebDataset shards (default: built-in synthetic val split)")
     parser.add_argument("--target-saving", type=float, nargs="+", default=[0.25],
                         help="fractions of decoder-layer executions to skip (one calibration each)")
-    parser.add_argument("--policy", default="recent_weight", choices=sorted(POLICIES))
+    parser.add_argument("--policy", default="recent_weight", choices=sorted(POLICIES),
+                        help="skip policy to calibrate: gate needs an adapter trained with skip gates; static removes "
+                             "whole blocks; random is the baseline")
     parser.add_argument("--candidates", type=int, default=None,
                         help="per-token policies: skip only the N blocks cheapest to remove (the adapter's removal "
                              "order, else single-block removal impact on the calibration batches); default: every "
@@ -56,16 +60,19 @@ def calibrate_main(argv: list[str] | None = None) -> int:
                              "--no-skip-image-positions they run every block and the target counts text positions "
                              "only (what decoding skips); default: as the adapter was trained")
     parser.add_argument("--batches", type=int, default=4, help="calibration batches")
-    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--batch-size", type=int, default=4, help="samples per calibration batch")
     parser.add_argument("--max-new-tokens", type=int, default=16, help="tokens generated to measure agreement")
     parser.add_argument("--output", default=None, help="adapter folder to write (default: the adapter itself; "
                                                        "for a checkpoint, <name>-adapter beside it)")
     add_trust_remote_code_flag(parser)
     ns = parser.parse_args(argv)
     bad_targets = [t for t in ns.target_saving if not 0 < t < 1]
-    if bad_targets or ns.batches < 1:
-        print(f"calibrate: --target-saving takes fractions between 0 and 1 (got {bad_targets})" if bad_targets
-              else f"calibrate: --batches must be at least 1, got {ns.batches}")
+    problems = [f"--target-saving takes fractions between 0 and 1 (got {bad_targets})"] if bad_targets else []
+    problems += [f"{option} must be at least 1, got {value}" for option, value in
+                 (("--batches", ns.batches), ("--batch-size", ns.batch_size), ("--max-new-tokens", ns.max_new_tokens),
+                  ("--candidates", ns.candidates)) if value is not None and value < 1]
+    if problems:  # before anything loads
+        print(f"calibrate refused: {'; '.join(problems)}", file=sys.stderr)
         return 1
     from .callbacks import compare_generation, generation_pad_id, prompts_from_batch
     from .datamodules import DataQualityError, ShardError, WebDatasetDataModule, model_inputs
@@ -73,13 +80,13 @@ def calibrate_main(argv: list[str] | None = None) -> int:
     source = Path(ns.model)
     loaded = load_trained(source, ns.base, trust_remote_code=ns.trust_remote_code)
     if loaded.adapter is None:
-        print(f"calibrate: {source} is a pruned release: its layers are deleted and it has no routers to calibrate; "
-              "calibrate the adapter or checkpoint it was merged from")
+        print(f"calibrate refused: {source} is a pruned release: its layers are deleted and it has no routers to "
+              "calibrate; calibrate the adapter or checkpoint it was merged from", file=sys.stderr)
         return 1
     try:
         output, in_place = _adapter_output(loaded, source, ns.output)  # before any work
     except ValueError as error:
-        print(f"calibrate: {error}")
+        print(f"calibrate refused: {error}", file=sys.stderr)
         return 1
     data = WebDatasetDataModule(processor=_processor_name(loaded, source), train_shards=ns.shards,
                                 val_shards=ns.shards, batch_size=ns.batch_size, num_workers=0,
@@ -87,15 +94,16 @@ def calibrate_main(argv: list[str] | None = None) -> int:
     try:
         data.setup("validate")
     except ShardError as error:  # the datamodule reads --shards as its train and val shards
-        print(f"calibrate: --shards {ns.shards}: {error}")
+        print(f"calibrate refused: --shards {ns.shards}: {error}", file=sys.stderr)
         return 1
     try:
         batches = list(islice(iter(data.val_dataloader()), ns.batches))
     except DataQualityError as error:  # the datamodule reads --shards as its val shards
-        print(f"calibrate: --shards {ns.shards or '(the synthetic val split)'}: {error}")
+        print(f"calibrate refused: --shards {ns.shards or '(the synthetic val split)'}: {error}", file=sys.stderr)
         return 1
     if not batches:
-        print(f"calibrate: no calibration samples in {ns.shards or 'the synthetic val split'}")
+        print(f"calibrate refused: no calibration samples in {ns.shards or 'the synthetic val split'}",
+              file=sys.stderr)
         return 1
     tokenizer = getattr(loaded.processor, "tokenizer", loaded.processor)
     prompts = [prompts_from_batch(batch, generation_pad_id(tokenizer)) for batch in batches]
@@ -187,6 +195,10 @@ def _skip_options_problem(ns: argparse.Namespace) -> str | None:
         return f"{' and '.join(given)} {verb} --skip-policy (which policy skips)" if given else None
     if ns.threshold is not None and ns.target_saving is not None:
         return "give --threshold or --target-saving (a stored calibration's thresholds), not both"
+    if ns.target_saving is not None and not 0 < ns.target_saving < 1:
+        return f"--target-saving is a fraction between 0 and 1, got {ns.target_saving}"
+    if ns.threshold is not None and not 0 <= ns.threshold <= 1:  # a routing weight or a gate's probability
+        return f"--threshold is a routing weight or gate probability in [0, 1], got {ns.threshold}"
     if ns.threshold is not None and ns.skip_policy not in THRESHOLD_POLICIES:
         return (f"--threshold sets {' or '.join(THRESHOLD_POLICIES)} thresholds; --skip-policy {ns.skip_policy} reads "
                 "its settings from a calibration: pass --target-saving")
@@ -199,19 +211,20 @@ def _skip_options_problem(ns: argparse.Namespace) -> str | None:
 
 def generate_main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m vlm_retrofit generate",
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                                      description="Answer one prompt (optionally about an image) with block skipping, "
                                                  "and print the compute report.")
     parser.add_argument("--model", required=True, help="checkpoint (.ckpt), router adapter folder or release folder")
     parser.add_argument("--base", default=None, help="base model, if not the one the adapter names")
     parser.add_argument("--image", default=None, help="image file")
-    parser.add_argument("--prompt", required=True)
+    parser.add_argument("--prompt", required=True, help="the user's message (the model's chat template wraps it)")
     parser.add_argument("--skip-policy", default=None, choices=sorted(POLICIES),
                         help="skip policy (default: no skipping, still reporting compute)")
     parser.add_argument("--target-saving", type=float, default=None, help="use the calibration stored for this target")
     parser.add_argument("--threshold", type=float, default=None,
                         help="explicit threshold for recent_weight / gate (instead of --target-saving)")
     parser.add_argument("--budget", type=float, default=None, help="max blocks one token may skip (count or fraction)")
-    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="most tokens to generate (greedy)")
     parser.add_argument("--compare-base", action="store_true",
                         help="also load the unmodified base model: print its answer, the agreement with it and the "
                              "decode speed against it")
@@ -219,23 +232,24 @@ def generate_main(argv: list[str] | None = None) -> int:
     ns = parser.parse_args(argv)
     problem = _skip_options_problem(ns)
     if problem:
-        print(f"generate: {problem}")
+        print(f"generate refused: {problem}", file=sys.stderr)
         return 1
     if ns.image is not None and not os.path.isfile(ns.image):
-        print(f"generate: image {ns.image} does not exist")
+        print(f"generate refused: image {ns.image} does not exist", file=sys.stderr)
         return 1
     from PIL import Image
 
     try:
         image = Image.open(ns.image).convert("RGB") if ns.image else None
     except (OSError, Image.DecompressionBombError) as error:  # before the model loads
-        print(f"generate: image {ns.image} cannot be read ({type(error).__name__}: {error})")
+        print(f"generate refused: image {ns.image} cannot be read ({type(error).__name__}: {error})",
+              file=sys.stderr)
         return 1
     loaded = load_trained(Path(ns.model), ns.base, trust_remote_code=ns.trust_remote_code)
     try:
         inputs = chat_inputs(loaded.processor, ns.prompt, image)
     except ValueError as error:
-        print(f"generate: {error}")
+        print(f"generate refused: {error}", file=sys.stderr)
         return 1
     settings: dict[str, Any] = {}
     if ns.threshold is not None:
@@ -245,8 +259,8 @@ def generate_main(argv: list[str] | None = None) -> int:
     options = dict(max_new_tokens=ns.max_new_tokens, do_sample=False)
     if loaded.adapter is None:  # a pruned release: a plain model, its removed layers already gone
         if ns.skip_policy:
-            print(f"generate: {ns.model} is a pruned release with no routers: drop --skip-policy (its removed "
-                  "layers are deleted from the weights, every token saves them)")
+            print(f"generate refused: {ns.model} is a pruned release with no routers: drop --skip-policy (its removed "
+                  "layers are deleted from the weights, every token saves them)", file=sys.stderr)
             return 1
 
         def generate_pruned() -> torch.Tensor:
@@ -271,7 +285,7 @@ def generate_main(argv: list[str] | None = None) -> int:
     try:
         skipping = controller()
     except ValueError as error:
-        print(f"generate: {error}")
+        print(f"generate refused: {error}", file=sys.stderr)
         return 1
     with torch.no_grad(), skipping as report:
         output = loaded.model.generate(**inputs, **options)[0, prompt_length:]

@@ -44,9 +44,10 @@ def check_complete(folder: Path, required: list[str], what: str) -> None:
                                     "a copy or download, or not a safetensors file. Copy it again") from error
 
 
-def check_replaceable(output: Path) -> None:
-    """Refuse an `output` that replacing whole would lose files this package did not write: anything but a missing
-    or empty folder, or an adapter or release folder (its config file at the top)."""
+def check_replaceable(output: Path, kind: str = "adapter") -> None:
+    """Refuse an `output` that replacing whole would lose files this package did not write, or a folder of another
+    kind than the one written (`kind`: "adapter" or "release"; a release written over a trained adapter would lose
+    its training): anything but a missing or empty folder, or an earlier folder of that kind."""
     from .backbones.loading import RELEASE_CONFIG
     from .routing.adapter import CONFIG_NAME
 
@@ -54,13 +55,18 @@ def check_replaceable(output: Path) -> None:
         return
     if not output.is_dir():
         raise FileExistsError(f"{output} is a file; give a folder to write into (it is replaced whole)")
-    if any((output / marker).is_file() for marker in (CONFIG_NAME, RELEASE_CONFIG)):
+    markers = {"adapter": CONFIG_NAME, "release": RELEASE_CONFIG}
+    if (output / markers[kind]).is_file():
         return
+    other = next((name for name, marker in markers.items() if (output / marker).is_file()), None)
+    if other is not None:
+        raise FileExistsError(f"{output} is {'an' if other == 'adapter' else 'a'} {other} folder: writing this {kind} "
+                              f"would replace it whole and lose it. Give another folder")
     held = sorted(p.name for p in output.iterdir())
     if held:
-        raise FileExistsError(f"{output} holds {held[:5]}{' ...' if len(held) > 5 else ''}, which is not an adapter or "
-                              "release folder: writing it would replace the folder whole and delete them. Give a new "
-                              "folder (or an earlier adapter or release folder), or empty it yourself")
+        raise FileExistsError(f"{output} holds {held[:5]}{' ...' if len(held) > 5 else ''}, which is not an earlier "
+                              f"{kind} folder: writing it would replace the folder whole and delete them. Give a new "
+                              f"folder (or an earlier {kind} folder), or empty it yourself")
 
 
 def _umask() -> int:
@@ -76,11 +82,11 @@ def _umask() -> int:
 
 
 @contextlib.contextmanager
-def staged_folder(output: Path, purpose: str) -> Iterator[Path]:
+def staged_folder(output: Path, purpose: str, kind: str) -> Iterator[Path]:
     """A hidden folder beside `output` to write into. When the block succeeds it replaces `output` whole (no
     file of an earlier folder survives in it); when it fails it is removed and `output` is left as it was. An
-    `output` holding anything else than an earlier adapter or release is refused first (`check_replaceable`)."""
-    check_replaceable(output)
+    `output` holding anything else than an earlier folder of this `kind` is refused first (`check_replaceable`)."""
+    check_replaceable(output, kind)
     output.parent.mkdir(parents=True, exist_ok=True)
     staging = output.parent / f".{output.name}.{purpose}"
     shutil.rmtree(staging, ignore_errors=True)
@@ -114,7 +120,7 @@ def write_adapter_folder(directory: Path, adapter: Any, lora_model: Any | None =
     from .replacement import REPLACEMENT_FILE, save_replacements
 
     companions = (LORA_FILES if lora_model is not None else []) + ([REPLACEMENT_FILE] if replacement is not None else [])
-    with staged_folder(directory, "saving") as staging:
+    with staged_folder(directory, "saving", "adapter") as staging:
         adapter.save_pretrained(staging, companions=companions)
         if lora_model is not None:
             lora_model.save_pretrained(staging / "lora")

@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import pickle
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -457,7 +458,7 @@ def merge(source: str | os.PathLike, output: str | os.PathLike, *, base: str | N
         model, expected, pruned = prune_for_release(loaded, blocks, inputs)
     else:
         expected = real_logits(loaded.model, inputs) if verify else None
-    with staged_folder(output, "merging") as staging:
+    with staged_folder(output, "merging", "release") as staging:
         if pruning:
             write_pruned_release(loaded, model, staging, pruned)
         else:
@@ -489,6 +490,7 @@ def merge(source: str | os.PathLike, output: str | os.PathLike, *, base: str | N
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m vlm_retrofit merge",
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                                      description="Write a release folder: router adapter, skip calibration, "
                                                  "processor, model card (and optionally full weights).")
     parser.add_argument("--ckpt", required=True, help="Lightning checkpoint (.ckpt), router adapter folder, or a "
@@ -513,12 +515,16 @@ def main(argv: list[str] | None = None) -> int:
                              "than its removal schedule's), which is refused by default")
     add_trust_remote_code_flag(parser)
     ns = parser.parse_args(argv)
+    if ns.prune_target is not None and not 0 < ns.prune_target < 1:
+        print(f"merge refused: --prune-target is a fraction of the decoder layers between 0 and 1, got "
+              f"{ns.prune_target}", file=sys.stderr)
+        return 1
     try:
         path = merge(ns.ckpt, ns.output, base=ns.base, merge_lora=ns.merge_lora, full_weights=ns.full_weights,
                      verify=not ns.no_verify, prune_blocks=ns.prune_blocks, prune_target=ns.prune_target,
                      allow_untrained_removal=ns.allow_untrained_removal, trust_remote_code=ns.trust_remote_code)
     except (AdapterMismatchError, FileNotFoundError, FileExistsError, ValueError, ReleaseVerificationError) as error:
-        print(f"merge refused: {error}")
+        print(f"merge refused: {error}", file=sys.stderr)
         return 1
     size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
     print(f"release written to {path} ({size / 1024:.1f} KiB); verified: {not ns.no_verify}")
