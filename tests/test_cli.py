@@ -1,5 +1,6 @@
 """`python -m vlm_retrofit`: usage, every shipped config parses, tiny configs run, and the built-in default fit."""
 
+import json
 import re
 from pathlib import Path
 
@@ -159,6 +160,13 @@ def test_test_and_predict_run_on_the_default_datamodule(tmp_path, monkeypatch, c
     assert main(["test", *fast, "--ckpt_path", last]) == 0
     assert "test/kl" in capsys.readouterr().out
     assert main(["predict", *fast, "--ckpt_path", last]) == 0
+    # Before: predict computed these and dropped them (nothing printed, nothing written).
+    out = capsys.readouterr().out
+    assert re.search(r"vlm_retrofit predict: 1 batches, \d+ scored tokens: KL to the frozen model", out)
+    rows = [json.loads(line) for line in (tmp_path / "runs" / "tiny" / "predictions.jsonl").read_text().splitlines()]
+    assert len(rows) == 1 and rows[0]["tokens"] > 0 and 0 < rows[0]["compute_realised"] <= 1
+    with pytest.warns(UserWarning, match="validate without --ckpt_path evaluates the routers as initialised"):
+        assert main(["validate", *fast]) == 0
 
 
 @pytest.mark.parametrize("options, problem", [

@@ -167,6 +167,14 @@ def _lightning_cli_class():
         def after_fit(self) -> None:
             _report_fit(self.trainer, self.model)
 
+        def before_validate(self) -> None:
+            _warn_without_checkpoint(self.config_init[self.subcommand].get("ckpt_path"), self.subcommand)
+
+        before_test = before_predict = before_validate
+
+        def after_predict(self) -> None:
+            _report_predictions(self.trainer)
+
     return RetrofitCLI, RetrofitModule
 
 
@@ -234,6 +242,37 @@ def _checkpoint_callback(trainer):
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     return next((c for c in trainer.checkpoint_callbacks if isinstance(c, ModelCheckpoint)), None)
+
+
+def _warn_without_checkpoint(ckpt_path: str | None, subcommand: str) -> None:
+    if ckpt_path is None:  # legitimate (the base at identity is the reference), but easy to do by mistake
+        from lightning.pytorch.utilities import rank_zero_warn
+
+        rank_zero_warn(f"{subcommand} without --ckpt_path evaluates the routers as initialised (identity: the base "
+                       "model), not a trained run; pass --ckpt_path <run>/checkpoints/last.ckpt (or 'last')")
+
+
+def _report_predictions(trainer) -> None:
+    """`predict` computed KL and compute per batch: write them to <root>/predictions.jsonl and print their means
+    (rank zero; Lightning keeps the predictions of one process)."""
+    import json
+
+    if trainer.global_rank != 0:
+        return
+    batches = trainer.predict_loop.predictions or []
+    if batches and isinstance(batches[0], list):  # one list per dataloader
+        batches = [b for loader in batches for b in loader]
+    path = Path(trainer.default_root_dir) / "predictions.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps({"batch": i, **b}) + "\n" for i, b in enumerate(batches)))
+    tokens = sum(b["tokens"] for b in batches)
+    if not tokens:
+        print(f"vlm_retrofit predict: no scored tokens in {len(batches)} batches; wrote {path}", flush=True)
+        return
+    mean = {k: sum(b[k] * b["tokens"] for b in batches) / tokens for k in ("kl", "compute_realised")}
+    print(f"vlm_retrofit predict: {len(batches)} batches, {tokens} scored tokens: KL to the frozen model "
+          f"{mean['kl']:.4g}, decoder compute realised {mean['compute_realised']:.3f} (skips sampled as in training); "
+          f"per batch in {path}", flush=True)
 
 
 def _report_fit(trainer, model) -> None:

@@ -10,6 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from ..backbones import image_positions, layer_hidden_states, unwrap_model
+from ..errors import InputError
 from ..routing.adapter import CACHELESS_LAYERS, RouterAdapter
 from .accounting import LayerCost, SkipReport
 from .policies import SkipPolicy
@@ -417,10 +418,11 @@ def skipping(adapter: RouterAdapter, policy: str | SkipPolicy = "recent_weight",
         calibrated = adapter.calibration.get(policy, {})
         key = f"{float(target_saving):.4f}"
         if key not in calibrated:
-            available = sorted(calibrated) or "none"
-            raise ValueError(
-                f"no {policy!r} calibration for target_saving={target_saving} on this adapter (calibrated: {available}). "
-                "Run vlm_retrofit.calibrate(...) first, or pass thresholds explicitly"
-            )
+            stored = {name: sorted(float(t) for t in targets)
+                      for name, targets in adapter.calibration.items() if targets}
+            raise InputError(
+                f"no {policy!r} calibration for target_saving={target_saving} on this adapter (stored: "
+                f"{stored or 'none'}). Calibrate it first (`python -m vlm_retrofit calibrate --policy {policy} "
+                f"--target-saving {target_saving}`, or vlm_retrofit.calibrate in Python), or give thresholds")
         policy_kwargs = {**calibrated[key], **policy_kwargs}
     return SkipController(adapter, make_policy(policy, **policy_kwargs), budget=budget)
