@@ -13,6 +13,7 @@ from torch import Tensor
 
 from vlm_retrofit.skipping import SkipReport, calibrate
 from vlm_retrofit.batch import model_inputs
+from vlm_retrofit.errors import InputError
 from vlm_retrofit.text_metrics import rouge_l
 
 
@@ -73,6 +74,14 @@ class SkipAwareGenerationCallback(pl.Callback):
         self.policy, self.target_saving = policy, float(target_saving)
         self._batches: list[Mapping[str, Any]] = []
         self.last_metrics: dict[str, float] = {}
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        adapter = getattr(pl_module, "adapter", None)
+        if self.enabled and self.policy == "gate" and adapter is not None and not adapter.config.skip_gate:
+            # Before any step or validation batch: found at the first validation's end, it stopped the run there.
+            raise InputError("SkipAwareGenerationCallback's policy 'gate' needs routers with skip gates, and this "
+                             "model has none (router.skip_gate: false): give the callback another policy "
+                             "(recent_weight, static, random) as the run's --config does, or enabled: false")
 
     def _active(self, trainer: pl.Trainer) -> bool:
         return (self.enabled and not trainer.sanity_checking and trainer.is_global_zero

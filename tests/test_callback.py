@@ -6,6 +6,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
+from vlm_retrofit import RouterConfig
 from vlm_retrofit.callbacks import SkipAwareGenerationCallback, prompts_from_batch
 from vlm_retrofit.datamodules import WebDatasetDataModule
 from vlm_retrofit.training.module import RetrofitModule
@@ -60,3 +61,16 @@ def test_prompts_are_cut_before_the_response_and_left_padded():
     assert prompts["input_ids"].tolist() == [[0, 1, 2], [5, 6, 7]]
     assert prompts["attention_mask"].tolist() == [[0, 1, 1], [1, 1, 1]]
     assert "loss_mask" not in prompts
+
+
+def test_a_gate_policy_without_gates_is_refused_at_setup_not_after_the_first_validation():
+    # Before: `validate --ckpt_path <a removal run>` with the default callbacks validated, then raised a traceback.
+    from types import SimpleNamespace
+
+    from vlm_retrofit.errors import InputError
+
+    gateless = SimpleNamespace(adapter=SimpleNamespace(config=RouterConfig(skip_gate=False)))
+    with pytest.raises(InputError, match="policy 'gate' needs routers with skip gates"):
+        SkipAwareGenerationCallback(policy="gate").setup(None, gateless, "validate")
+    SkipAwareGenerationCallback(policy="recent_weight").setup(None, gateless, "validate")
+    SkipAwareGenerationCallback(policy="gate", enabled=False).setup(None, gateless, "validate")

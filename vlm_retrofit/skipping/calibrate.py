@@ -12,6 +12,7 @@ from torch import Tensor
 
 from ..backbones.registry import image_positions, layer_hidden_states, unwrap_model
 from ..batch import model_inputs
+from ..errors import InputError
 from ..routing.adapter import RouterAdapter
 from .policies import POLICIES, SkipPolicy, StaticPolicy, check_skippable_blocks, recent_source_weight
 from .runtime import SkipController
@@ -143,7 +144,7 @@ def greedy_removal_order(adapter: RouterAdapter, batches: Iterable[Mapping[str, 
     pool = list(adapter.layout.skippable_blocks if candidates is None else candidates)
     unknown = sorted(set(pool) - set(adapter.layout.skippable_blocks))
     if unknown:
-        raise ValueError(f"candidates {unknown} are not skippable blocks {list(adapter.layout.skippable_blocks)}")
+        raise InputError(f"candidates {unknown} are not skippable blocks {list(adapter.layout.skippable_blocks)}")
     order = list(start)
     unknown = sorted(set(order) - set(adapter.layout.skippable_blocks))
     if unknown or len(set(order)) != len(order):
@@ -278,22 +279,22 @@ def calibrate(adapter: RouterAdapter, batches: Iterable[Mapping[str, Any]], targ
     `adapter.skipping(policy, target_saving=...)` uses it.
     """
     if policy not in POLICIES:
-        raise ValueError(f"unknown skip policy {policy!r}; valid policies: {', '.join(POLICIES)}")
+        raise InputError(f"unknown skip policy {policy!r}; valid policies: {', '.join(POLICIES)}")
     layout = adapter.layout
     batches = [model_inputs(b) for b in batches]
     if not batches:
-        raise ValueError("calibration needs at least one batch")
+        raise InputError("calibration needs at least one batch")
     pool = layout.skippable_blocks
     if candidates is None and policy != "static":
         candidates = adapter.skip_candidates  # the blocks its per-token skipping was trained on, if restricted
     if candidates is not None:
         if policy == "static":
-            raise ValueError("candidates restrict per-token policies; a static removal takes a prefix of `order`")
+            raise InputError("candidates restrict per-token policies; a static removal takes a prefix of `order`")
         pool = candidate_blocks(adapter, batches, candidates, order)
     if skip_image_positions is None:
         skip_image_positions = adapter.skip_image_positions or policy == "static"
     if policy == "static" and not skip_image_positions:
-        raise ValueError("skip_image_positions=False applies to per-token policies; a static removal skips whole "
+        raise InputError("skip_image_positions=False applies to per-token policies; a static removal skips whole "
                          "blocks for every position")
     protect = {} if skip_image_positions else {"skip_image_positions": False}
 
@@ -305,7 +306,7 @@ def calibrate(adapter: RouterAdapter, batches: Iterable[Mapping[str, Any]], targ
     skippable_layers = sum(len(layout.layers_of_block(b)) for b in pool)
     reachable = skippable_layers / layout.num_layers
     if not 0 < target_saving <= reachable:
-        raise ValueError(f"target_saving must be in (0, {reachable:.3f}]: only {skippable_layers} of "
+        raise InputError(f"target_saving must be in (0, {reachable:.3f}]: only {skippable_layers} of "
                          f"{layout.num_layers} layers are in the {'candidate' if candidates is not None else 'skippable'}"
                          f" blocks {list(pool)}")
 
@@ -358,7 +359,7 @@ def candidate_blocks(adapter: RouterAdapter, batches: list[dict[str, Any]], cand
     if isinstance(candidates, (int, float)) and not isinstance(candidates, bool):
         count = int(candidates)
         if count != candidates or not 1 <= count <= len(layout.skippable_blocks):
-            raise ValueError(f"candidates must be a count in [1, {len(layout.skippable_blocks)}] (the skippable "
+            raise InputError(f"candidates must be a count in [1, {len(layout.skippable_blocks)}] (the skippable "
                              f"blocks) or a list of blocks, got {candidates!r}")
         if order is None:
             order = adapter.removal_order
@@ -367,15 +368,15 @@ def candidate_blocks(adapter: RouterAdapter, batches: list[dict[str, Any]], cand
             order = sorted(impact, key=impact.__getitem__)
         ranked = [int(b) for b in order if int(b) in layout.skippable_blocks]
         if len(ranked) < count:
-            raise ValueError(f"the order {list(order)} ranks {len(ranked)} skippable blocks, fewer than the "
+            raise InputError(f"the order {list(order)} ranks {len(ranked)} skippable blocks, fewer than the "
                              f"{count} candidates asked for")
         chosen = ranked[:count]
     else:
         chosen = [int(b) for b in candidates]
         if not chosen:
-            raise ValueError("candidates is an empty list: name at least one skippable block, or give a count")
+            raise InputError("candidates is an empty list: name at least one skippable block, or give a count")
         if len(set(chosen)) != len(chosen):
-            raise ValueError(f"candidates {chosen} names a block twice: name each candidate block once")
+            raise InputError(f"candidates {chosen} names a block twice: name each candidate block once")
         check_skippable_blocks("candidates", chosen, layout)
     return tuple(sorted(set(chosen)))
 

@@ -9,6 +9,7 @@ from typing import Any, Callable, Mapping
 import torch
 from torch import Tensor
 
+from ..errors import InputError
 from ..routing.config import BlockLayout
 
 
@@ -46,7 +47,7 @@ class SkipPolicy:
 def check_skippable_blocks(what: str, blocks, layout: BlockLayout) -> None:
     bad = sorted(b for b in blocks if b not in layout.skippable_blocks)
     if bad:
-        raise ValueError(
+        raise InputError(
             f"{what} names block(s) {bad}, which cannot be skipped on this backbone; skippable blocks are "
             f"{list(layout.skippable_blocks)} (never-skip: {list(layout.never_skip_blocks)})"
         )
@@ -85,7 +86,7 @@ def _thresholded_blocks(layout: BlockLayout, *values: float | dict[int, float] |
 
 def _image_setting(skip_image_positions: bool, image_values: Any, what: str) -> bool:
     if not skip_image_positions and image_values is not None:
-        raise ValueError(f"{what} are set while skip_image_positions=False keeps image positions from skipping: "
+        raise InputError(f"{what} are set while skip_image_positions=False keeps image positions from skipping: "
                          "drop one of the two")
     return bool(skip_image_positions)
 
@@ -121,7 +122,7 @@ class RecentWeightPolicy(SkipPolicy):
             if isinstance(values, dict):
                 check_skippable_blocks("recent_weight thresholds", values, layout)
         if 0 in layout.skippable_blocks:
-            raise ValueError("recent_weight cannot decide block 0: its router has a single source. Mark block 0 never-skip")
+            raise InputError("recent_weight cannot decide block 0: its router has a single source. Mark block 0 never-skip")
 
     def may_skip(self, layout: BlockLayout) -> tuple[int, ...]:
         return _thresholded_blocks(layout, self.thresholds, self.image_thresholds)
@@ -155,7 +156,7 @@ class GatePolicy(SkipPolicy):
 
     def validate(self, layout: BlockLayout, adapter: Any) -> None:
         if not adapter.config.skip_gate:
-            raise ValueError("the gate policy needs an adapter trained with RouterConfig(skip_gate=True); "
+            raise InputError("the gate policy needs an adapter trained with RouterConfig(skip_gate=True); "
                              "use recent_weight, static or random instead")
         for values in (self.threshold, self.image_threshold):
             if isinstance(values, dict):
@@ -222,7 +223,7 @@ class RandomPolicy(SkipPolicy):
     def __init__(self, rate: float, seed: int = 0, blocks: list[int] | None = None,
                  skip_image_positions: bool = True) -> None:
         if not 0.0 <= rate <= 1.0:
-            raise ValueError(f"random skip rate must be in [0, 1], got {rate}")
+            raise InputError(f"random skip rate must be in [0, 1], got {rate}")
         self.rate, self.seed = float(rate), int(seed)
         self.skip_image_positions = bool(skip_image_positions)
         self.blocks = None if blocks is None else sorted({int(b) for b in blocks})
@@ -304,12 +305,12 @@ POLICIES: dict[str, type[SkipPolicy]] = {
 def make_policy(name: str, **kwargs: Any) -> SkipPolicy:
     """Build a policy by name; an unknown name, or a missing or unknown setting, is refused naming the valid ones."""
     if name not in POLICIES:
-        raise ValueError(f"unknown skip policy {name!r}; valid policies: {', '.join(POLICIES)}")
+        raise InputError(f"unknown skip policy {name!r}; valid policies: {', '.join(POLICIES)}")
     cls = POLICIES[name]
     try:
         inspect.signature(cls).bind(**kwargs)  # a missing or unknown setting, before anything is built
     except TypeError as error:
         settings = ", ".join(inspect.signature(cls).parameters) or "none"
-        raise ValueError(f"skip policy {name!r}: {error}. Its settings: {settings}; or pass target_saving= to use a "
+        raise InputError(f"skip policy {name!r}: {error}. Its settings: {settings}; or pass target_saving= to use a "
                          "stored calibration (`vlm_retrofit calibrate` writes one)") from None
     return cls(**kwargs)

@@ -397,11 +397,11 @@ def resolve_budget(budget: int | float | None, skippable: int) -> int | None:
         return None
     if isinstance(budget, float) and 0 < budget < 1:
         if int(budget * skippable) == 0:  # would turn every skip off without a word
-            raise ValueError(f"skip budget {budget} of {skippable} skippable blocks is less than one block per token: "
+            raise InputError(f"skip budget {budget} of {skippable} skippable blocks is less than one block per token: "
                              f"give at least {1 / skippable:.3f}, or a block count")
         return int(budget * skippable)
     if budget < 0 or int(budget) != budget:
-        raise ValueError(f"skip budget must be a block count >= 0 or a fraction in (0, 1), got {budget}")
+        raise InputError(f"skip budget must be a block count >= 0 or a fraction in (0, 1), got {budget}")
     return int(budget)
 
 
