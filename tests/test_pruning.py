@@ -162,13 +162,22 @@ def test_pruned_release_commands_and_refusals(trained_removal, tmp_path, capsys)
                  "--compare-base"]) == 0
     out = capsys.readouterr().out
     assert "base model: " in out and re.search(r"agreement with the base's answer: \d/3 tokens; decode \d+\.\d\dx", out)
-    assert main(["generate", "--model", str(tmp_path / "pruned"), "--prompt", "Hi", "--skip-policy", "static",
-                 "--target-saving", "0.2"]) == 1
-    assert "drop --skip-policy" in capsys.readouterr().err
-    assert main(["calibrate", "--model", str(tmp_path / "pruned"), "--policy", "static"]) == 1
-    assert "pruned release" in capsys.readouterr().err
-    with pytest.raises(ValueError, match="pruned release"):
-        merge(tmp_path / "pruned", tmp_path / "again")
+    # Refused from the release config alone, before any weights load.
+    from vlm_retrofit import commands, release
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("loaded weights to refuse")
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(commands, "load_trained", no_loading)
+        patch.setattr(release, "load_trained", no_loading)
+        assert main(["generate", "--model", str(tmp_path / "pruned"), "--prompt", "Hi", "--skip-policy", "static",
+                     "--target-saving", "0.2"]) == 1
+        assert "drop --skip-policy" in capsys.readouterr().err
+        assert main(["calibrate", "--model", str(tmp_path / "pruned"), "--policy", "static"]) == 1
+        assert "pruned release" in capsys.readouterr().err
+        with pytest.raises(ValueError, match="pruned release"):
+            merge(tmp_path / "pruned", tmp_path / "again")
     # A block that may not be removed is refused before anything is written.
     assert main(["merge", "--ckpt", str(trained_removal), "--output", str(tmp_path / "bad"), "--prune-blocks", "0"]) == 1
     assert "cannot be pruned" in capsys.readouterr().err and not (tmp_path / "bad").exists()

@@ -14,7 +14,7 @@ import torch
 
 from .files import check_replaceable, write_adapter_folder
 from .release import (Loaded, add_trust_remote_code_flag, load_base_model, load_trained, refresh_model_card,
-                      summarize_pruning)
+                      release_config_of, summarize_pruning)
 from .skipping import POLICIES, SkipController, calibrate
 
 
@@ -78,11 +78,11 @@ def calibrate_main(argv: list[str] | None = None) -> int:
     from .datamodules import DataQualityError, ShardError, WebDatasetDataModule, model_inputs
 
     source = Path(ns.model)
-    loaded = load_trained(source, ns.base, trust_remote_code=ns.trust_remote_code)
-    if loaded.adapter is None:
+    if (release_config_of(source) or {}).get("pruned"):
         print(f"calibrate refused: {source} is a pruned release: its layers are deleted and it has no routers to "
               "calibrate; calibrate the adapter or checkpoint it was merged from", file=sys.stderr)
         return 1
+    loaded = load_trained(source, ns.base, trust_remote_code=ns.trust_remote_code)
     try:
         output, in_place = _adapter_output(loaded, source, ns.output)  # before any work
     except ValueError as error:
@@ -245,6 +245,10 @@ def generate_main(argv: list[str] | None = None) -> int:
         print(f"generate refused: image {ns.image} cannot be read ({type(error).__name__}: {error})",
               file=sys.stderr)
         return 1
+    if ns.skip_policy and (release_config_of(ns.model) or {}).get("pruned"):
+        print(f"generate refused: {ns.model} is a pruned release with no routers: drop --skip-policy (its removed "
+              "layers are deleted from the weights, every token saves them)", file=sys.stderr)
+        return 1
     loaded = load_trained(Path(ns.model), ns.base, trust_remote_code=ns.trust_remote_code)
     try:
         inputs = chat_inputs(loaded.processor, ns.prompt, image)
@@ -257,11 +261,7 @@ def generate_main(argv: list[str] | None = None) -> int:
     tokenizer = getattr(loaded.processor, "tokenizer", loaded.processor)
     prompt_length = inputs["input_ids"].shape[1]
     options = dict(max_new_tokens=ns.max_new_tokens, do_sample=False)
-    if loaded.adapter is None:  # a pruned release: a plain model, its removed layers already gone
-        if ns.skip_policy:
-            print(f"generate refused: {ns.model} is a pruned release with no routers: drop --skip-policy (its removed "
-                  "layers are deleted from the weights, every token saves them)", file=sys.stderr)
-            return 1
+    if loaded.adapter is None:  # a pruned release (refused above with a skip policy): its removed layers are gone
 
         def generate_pruned() -> torch.Tensor:
             with torch.no_grad():

@@ -231,6 +231,13 @@ def load_release(directory: str | os.PathLike, *, trust_remote_code: bool = Fals
     return loaded.model, loaded.processor
 
 
+def release_config_of(path: str | os.PathLike) -> dict[str, Any] | None:
+    """The release config of `path` where it is a release folder (checked complete), else None: what a command
+    can refuse by before loading any weights."""
+    path = Path(path)
+    return read_release_config(path) if (path / RELEASE_CONFIG).is_file() else None
+
+
 def summarize_pruning(directory: str | os.PathLike) -> str:
     """One line on what a pruned release removed (read from its release config)."""
     pruned = read_release_config(Path(directory))["pruned"]
@@ -438,13 +445,14 @@ def merge(source: str | os.PathLike, output: str | os.PathLike, *, base: str | N
     if output.resolve() == Path(source).resolve() or output.resolve() in Path(source).resolve().parents:
         raise ValueError(f"--output {output} holds the input {source}: the release replaces the folder whole, so "
                          "give it a folder of its own")
-    loaded = load_trained(source, base, trust_remote_code=trust_remote_code)
-    if loaded.adapter is None:
+    release = release_config_of(source)  # refused before anything loads
+    if release is not None and release.get("pruned"):
         raise ValueError(f"{source} is a pruned release: it has no routers left to merge; merge the adapter or "
                          "checkpoint it came from")
-    if loaded.kind == "release" and loaded.lora == "merged":
+    if release is not None and release.get("lora") == "merged":
         raise ValueError(f"{source} is a release whose LoRA is merged into its weights, which a new release of it "
                          "would not carry; merge the adapter or checkpoint it came from")
+    loaded = load_trained(source, base, trust_remote_code=trust_remote_code)
     pruning = prune_blocks is not None or prune_target is not None
     if loaded.replacement is not None and not pruning:
         raise ValueError(f"{source} carries a linear replacement of layers {loaded.replacement[1]}, which only a "
@@ -493,8 +501,9 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                                      description="Write a release folder: router adapter, skip calibration, "
                                                  "processor, model card (and optionally full weights).")
-    parser.add_argument("--ckpt", required=True, help="Lightning checkpoint (.ckpt), router adapter folder, or a "
-                                                      "release whose LoRA is not merged")
+    parser.add_argument("--ckpt", "--model", dest="ckpt", required=True,
+                        help="Lightning checkpoint (.ckpt), router adapter folder, or a release whose LoRA is not "
+                             "merged (--model, as calibrate and generate name it, is the same option)")
     parser.add_argument("--output", required=True, help="release folder to write (replaced atomically)")
     parser.add_argument("--base", default=None, help="base model (hub id, folder or tiny:<family>); "
                                                      "default: the one the checkpoint names. A different base is refused")
