@@ -101,14 +101,14 @@ def _usage() -> str:
 
 def _lightning_cli_class():
     from jsonargparse import lazy_instance, set_parsing_settings
-
-    # RouterConfig documents its fields as attribute docstrings: without this, `--model.router.*` had no help text.
-    set_parsing_settings(docstring_parse_attribute_docstrings=True)
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.cli import LightningCLI
 
     from .training import RetrofitCheckpoint, RetrofitModule, RunCSVLogger
     from .training.checkpoint import check_nothing_to_resume_is_missed, use_run_folder
+
+    # RouterConfig documents its fields as attribute docstrings: without this, `--model.router.*` had no help text.
+    set_parsing_settings(docstring_parse_attribute_docstrings=True)
 
     class RetrofitCLI(LightningCLI):
         """LightningCLI with the built-in default run and the backbone -> processor, model -> data seed links."""
@@ -212,7 +212,8 @@ def read_hyperparameters(ckpt_path: str) -> dict[str, Any]:
         raise InputError(f"--ckpt_path {ckpt_path} is not a Lightning checkpoint this package can read safely (a "
                          "torch file of tensors and plain values, as `fit` writes under <run>/checkpoints)") from error
     if not isinstance(checkpoint, dict):
-        raise InputError(f"--ckpt_path {ckpt_path} is not a Lightning checkpoint (it holds a {type(checkpoint).__name__})")
+        raise InputError(f"--ckpt_path {ckpt_path} is not a Lightning checkpoint (it holds a "
+                         f"{type(checkpoint).__name__})")
     hparams = dict(checkpoint.get("hyper_parameters") or {})
     hparams.pop("_instantiator", None)
     return hparams

@@ -33,7 +33,7 @@ def _adapter_output(loaded: Loaded, source: Path, output: str | None) -> tuple[P
                          "would lose the weights the release merged; drop --output, or calibrate the adapter or "
                          "checkpoint it was merged from")
     if not in_place:
-        check_replaceable(target)  # e.g. the run folder holding the checkpoint: refused before any work
+        check_replaceable(target, "adapter")  # e.g. the run folder holding the checkpoint: refused before any work
     return target, in_place
 
 

@@ -44,7 +44,7 @@ def check_complete(folder: Path, required: list[str], what: str) -> None:
                                     "a copy or download, or not a safetensors file. Copy it again") from error
 
 
-def check_replaceable(output: Path, kind: str = "adapter") -> None:
+def check_replaceable(output: Path, kind: str) -> None:
     """Refuse an `output` that replacing whole would lose files this package did not write, or a folder of another
     kind than the one written (`kind`: "adapter" or "release"; a release written over a trained adapter would lose
     its training): anything but a missing or empty folder, or an earlier folder of that kind."""
@@ -119,7 +119,7 @@ def write_adapter_folder(directory: Path, adapter: Any, lora_model: Any | None =
     `replacement.safetensors`. No file an earlier folder held survives to be merged with these routers."""
     from .replacement import REPLACEMENT_FILE, save_replacements
 
-    companions = (LORA_FILES if lora_model is not None else []) + ([REPLACEMENT_FILE] if replacement is not None else [])
+    companions = [*(LORA_FILES if lora_model is not None else []), *([REPLACEMENT_FILE] if replacement else [])]
     with staged_folder(directory, "saving", "adapter") as staging:
         adapter.save_pretrained(staging, companions=companions)
         if lora_model is not None:
