@@ -56,14 +56,15 @@ class SkipAwareGenerationCallback(pl.Callback):
     """
 
     def __init__(self, enabled: bool = True, every_n_epochs: int = 1, max_samples: int = 8, max_new_tokens: int = 16,
-                 policy: str = "recent_weight", target_saving: float = 0.25) -> None:
+                 policy: str | None = None, target_saving: float = 0.25) -> None:
         """
         Args:
             enabled: False turns the callback off entirely (it then costs nothing).
             every_n_epochs: run on validation passes whose epoch is a multiple of this.
             max_samples: generate for at most this many validation samples (whole batches, from the first).
             max_new_tokens: tokens generated per sample, greedy, both ways.
-            policy: skip policy (`recent_weight`, `gate`, `static`, `random`).
+            policy: skip policy (`recent_weight`, `gate`, `static`, `random`); None: `gate` where the routers
+                have skip gates, else `recent_weight`.
             target_saving: fraction of layer executions to skip; the policy's thresholds are calibrated for it on
                 these prompts each time (the routers change during training), unless the adapter already
                 carries a calibration for this target.
@@ -77,6 +78,8 @@ class SkipAwareGenerationCallback(pl.Callback):
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         adapter = getattr(pl_module, "adapter", None)
+        if adapter is not None and self.policy is None:
+            self.policy = "gate" if adapter.config.skip_gate else "recent_weight"
         if self.enabled and self.policy == "gate" and adapter is not None and not adapter.config.skip_gate:
             # Before any step or validation batch: found at the first validation's end, it stopped the run there.
             raise InputError("SkipAwareGenerationCallback's policy 'gate' needs routers with skip gates, and this "

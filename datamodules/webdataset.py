@@ -200,10 +200,10 @@ class WebDatasetDataModule(pl.LightningDataModule):
                 (logs `data/skipped/<reason>` every epoch and enforces max_bad_fraction).
         """
         super().__init__()
-        counts = dict(max_length=max_length, batch_size=batch_size, val_batch_size=val_batch_size or batch_size,
+        counts = dict(max_length=max_length, batch_size=batch_size, val_batch_size=val_batch_size,
                       train_samples_per_epoch=train_samples_per_epoch, synthetic_samples=synthetic_samples,
                       max_image_pixels=max_image_pixels, max_image_side=max_image_side)
-        bad = [f"{k} must be >= 1, got {v}" for k, v in counts.items() if v < 1]
+        bad = [f"{k} must be >= 1, got {v}" for k, v in counts.items() if v is not None and v < 1]
         bad += [f"{k} must be >= 0, got {v}" for k, v in dict(num_workers=num_workers, shuffle_buffer=shuffle_buffer,
                                                                   min_samples_for_check=min_samples_for_check).items() if v < 0]
         bad += [f"{k} must be in [0, 1], got {v}" for k, v in dict(max_bad_fraction=max_bad_fraction,
@@ -218,7 +218,7 @@ class WebDatasetDataModule(pl.LightningDataModule):
         self.image_keys = list(image_keys or ["jpg", "jpeg", "png", "webp"])
         self.text_keys = list(text_keys or ["txt", "json"])
         self.prompt, self.max_length = prompt, max_length
-        self.batch_size, self.val_batch_size = batch_size, val_batch_size or batch_size
+        self.batch_size, self.val_batch_size = batch_size, batch_size if val_batch_size is None else val_batch_size
         self.num_workers, self.seed = num_workers, seed
         self.train_samples_per_epoch, self.shuffle_buffer = train_samples_per_epoch, shuffle_buffer
         self.group_by_modality = group_by_modality

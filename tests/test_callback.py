@@ -74,3 +74,8 @@ def test_a_gate_policy_without_gates_is_refused_at_setup_not_after_the_first_val
         SkipAwareGenerationCallback(policy="gate").setup(None, gateless, "validate")
     SkipAwareGenerationCallback(policy="recent_weight").setup(None, gateless, "validate")
     SkipAwareGenerationCallback(policy="gate", enabled=False).setup(None, gateless, "validate")
+    # The default follows the model (`validate --ckpt_path <a run without gates>` with the built-in callbacks).
+    for gates, policy in ((False, "recent_weight"), (True, "gate")):
+        callback = SkipAwareGenerationCallback()
+        callback.setup(None, SimpleNamespace(adapter=SimpleNamespace(config=RouterConfig(skip_gate=gates))), "fit")
+        assert callback.policy == policy

@@ -395,22 +395,30 @@ def test_resuming_by_last_where_only_other_checkpoints_exist_is_refused_not_star
     assert _fit(tmp_path / "fresh", "--ckpt_path", "last", steps=1) == 0  # a first run: nothing to miss
 
 
-def test_a_checkpoint_path_fills_in_only_settings_left_at_their_defaults(tmp_path, capsys):
+def test_a_checkpoint_file_rebuilds_its_model_only_where_no_model_settings_are_given(tmp_path, capsys):
     # Lightning wrote a checkpoint file's hyperparameters over the parsed config: a changed setting was dropped
     # silently, and the resume checks compared the checkpoint with itself (another backbone was resumed).
+    import shutil
+
     from vlm_retrofit.cli import read_hyperparameters
 
-    assert _fit(tmp_path, steps=2) == 0
+    assert _fit(tmp_path, "--model.lr", "0.02", steps=2) == 0
     checkpoint = str(tmp_path / "checkpoints" / "last.ckpt")
     assert _fit(tmp_path, "--ckpt_path", checkpoint, backbone="tiny:llava") == 1
     assert re.search(r"fit refused: .*different base model \(qwen2_vl.*\(llava", capsys.readouterr().err)
-    # The optimizer's state restored on resume would keep the checkpoint's learning rates: refused, not ignored.
-    assert _fit(tmp_path, "--ckpt_path", checkpoint, "--model.lr", "0.001") == 1
-    assert "optimizer settings other than the checkpoint's (lr 0.05 -> 0.001)" in capsys.readouterr().err
-    # Settings given nowhere come from the checkpoint: `validate --ckpt_path X` alone rebuilds X's model.
+    # The optimizer's state restored on resume would keep the checkpoint's learning rates: refused, not ignored,
+    # also where the value given is the default one; settings that mean the same are taken.
+    assert _fit(tmp_path, "--ckpt_path", checkpoint, "--model.lr", "0.05") == 1
+    assert "optimizer settings other than the checkpoint's (lr 0.02 -> 0.05)" in capsys.readouterr().err
+    assert _fit(tmp_path, "--ckpt_path", checkpoint, "--model.lr", "0.02", "--model.optimizer", "torch.optim.AdamW",
+                "--model.optimizer_kwargs", "{}", steps=3) == 0
+    # No model settings given: `validate --ckpt_path X` rebuilds X's model, whatever the file is called.
     assert read_hyperparameters(checkpoint)["compute_target"] == 0.6  # the default run's is 0.75
-    assert main(["validate", "--ckpt_path", checkpoint, *FIXED_DATA, "--trainer.logger", "false",
+    renamed = tmp_path / "registry_last.ckpt"  # not Lightning's model registry ("registry" or "registry:...")
+    shutil.copy(checkpoint, renamed)
+    assert main(["validate", "--ckpt_path", str(renamed), *FIXED_DATA, "--trainer.logger", "false",
                  "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir",
                  str(tmp_path / "validate")]) == 0
+    assert f"the model settings come from {renamed}" in capsys.readouterr().err
     saved = (tmp_path / "validate" / "config.yaml").read_text()
-    assert "compute_target: 0.6" in saved and "max_drop_rate: 0.5" in saved
+    assert "compute_target: 0.6" in saved and "max_drop_rate: 0.5" in saved and "lr: 0.02" in saved

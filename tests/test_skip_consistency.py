@@ -114,12 +114,18 @@ def test_generation_modes_match_uncached_generation(family, mode, policy_name):
     assert all(type(v) is int for v in (report.decode.executed_flops, report.decode.full_flops)) and report.decode.forwards
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_a_static_cache_sees_the_padding_of_a_left_padded_batch(family):
+SLIDING_ONLY = dict(use_sliding_window=True, sliding_window=512, max_window_layers=0,
+                    layer_types=["sliding_attention"] * 6)
+"""A Qwen2 whose every layer attends over a sliding window: `generate` gives it no full-attention mask."""
+
+
+@pytest.mark.parametrize("family, overrides", [*((f, {}) for f in FAMILIES), ("qwen2", SLIDING_ONLY)],
+                         ids=[*FAMILIES, "qwen2-sliding-only"])
+def test_a_static_cache_sees_the_padding_of_a_left_padded_batch(family, overrides):
     """With a static cache `generate` hands the model 4-D masks: random skipping must still decide by each token's
     own position and the report count real tokens only, as with the default cache. Before, both took padding as
     tokens there: other decisions, other answers."""
-    model, processor, adapter = _trained_like(family)
+    model, processor, adapter = _trained_like(family, **overrides)
     inputs = tiny_inputs(processor, batch=2)
     assert not inputs["attention_mask"].all()
 

@@ -57,7 +57,7 @@ CHECKPOINT_DEFAULTS: dict[str, Any] = {
 GENERATION_CALLBACK_DEFAULTS: dict[str, Any] = {
     "max_samples": 8,
     "max_new_tokens": 16,
-    "policy": "gate",
+    "policy": None,  # the model's: gate where the routers have skip gates (the default run's do), else recent_weight
     "target_saving": 0.25,
 }
 TRAINER_DEFAULTS: dict[str, Any] = {
@@ -129,21 +129,24 @@ def _lightning_cli_class():
                 "trainer.logger": lazy_instance(RunCSVLogger, name="logs"),
             })
 
+        def parse_arguments(self, parser, args) -> None:
+            self.model_settings_given = gives_model_settings(sys.argv[1:] if args is None else args)
+            super().parse_arguments(parser, args)
+
         def _parse_ckpt_path(self) -> None:
-            # Lightning writes a checkpoint's hyperparameters over the parsed config: a model setting given in
-            # --config or on the command line was dropped silently, and the resume checks compared the checkpoint
-            # with itself. Here the checkpoint fills in only the settings left at their defaults (`validate
-            # --ckpt_path X` alone still rebuilds X's model); what the user set stands, and the checkpoint's load
-            # refuses what it cannot take (`check_checkpoint`: another base, router layout, LoRA, ...).
+            # Lightning writes a checkpoint's hyperparameters over the parsed config, whatever the user set: a
+            # model setting given in --config or on the command line was dropped silently, and the resume checks
+            # compared the checkpoint with itself. Here a checkpoint file rebuilds its model only where the user
+            # gave no model settings at all (`validate --ckpt_path X`); otherwise what the user set stands and the
+            # checkpoint's load refuses what it cannot take (`check_checkpoint`: another base, router layout, ...).
             subcommand = self.config.get("subcommand")
             ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
-            if not ckpt_path or ckpt_path in ("last", "best", "hpc") or ckpt_path.startswith("registry"):
-                return  # Lightning's own names, resolved once the trainer is built
+            if not ckpt_path or lightning_checkpoint_name(ckpt_path):
+                return  # resolved by Lightning once the trainer is built
             hparams = read_hyperparameters(ckpt_path)
-            given, defaults = self.config[subcommand].model, self._subcommand_parsers[subcommand].get_defaults().model
-            taken = settings_left_at_defaults(given, defaults, hparams)
-            if taken:
-                self.config = self.parser.parse_object({subcommand: {"model": taken}}, self.config)
+            if hparams and not self.model_settings_given:
+                self.config = self.parser.parse_object({subcommand: {"model": hparams}}, self.config)
+                print(f"{subcommand}: the model settings come from {ckpt_path} (none were given)", file=sys.stderr)
 
         def instantiate_trainer(self, **kwargs: Any):
             trainer = super().instantiate_trainer(**kwargs)
@@ -219,24 +222,21 @@ def read_hyperparameters(ckpt_path: str) -> dict[str, Any]:
     return hparams
 
 
-def settings_left_at_defaults(given: Any, defaults: Any, recorded: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """The `recorded` settings (nested dicts for nested groups such as `router`) whose parsed value in `given` is
-    still its default in `defaults` and differs from the recorded one: what a checkpoint may fill in."""
-    from jsonargparse import Namespace
+def gives_model_settings(argv: Sequence[str] | Any) -> bool:
+    """Whether command-line arguments set the model: a --config file (which may hold a model section) or any
+    --model.* option (`fit` without them runs the built-in default model)."""
+    if not isinstance(argv, (list, tuple)):
+        return True  # a dict or Namespace given in Python
+    return any(a in ("-c", "--config", "--model") or a.startswith(("--config=", "--model.", "--model="))
+               for a in map(str, argv))
 
-    taken: dict[str, Any] = {}
-    for key, value in recorded.items():
-        name = prefix + key
-        if name not in given:  # a setting this version no longer has
-            continue
-        current = given[name]
-        if isinstance(value, dict) and isinstance(current, Namespace):
-            nested = settings_left_at_defaults(given, defaults, value, f"{name}.")
-            if nested:
-                taken[key] = nested
-        elif current != value and current == defaults.get(name):
-            taken[key] = value
-    return taken
+
+def lightning_checkpoint_name(ckpt_path: str) -> bool:
+    """Names Lightning resolves itself ("last", "best", "hpc", the model registry's) and remote paths, which
+    have no local file to read before the trainer is built."""
+    lowered = ckpt_path.lower()
+    return (lowered in ("last", "best", "hpc", "registry") or lowered.startswith("registry:")
+            or "://" in ckpt_path)
 
 
 def _checkpoint_callback(trainer):
@@ -260,18 +260,20 @@ def _report_predictions(trainer) -> None:
 
     if trainer.global_rank != 0:
         return
-    batches = trainer.predict_loop.predictions or []
-    if batches and isinstance(batches[0], list):  # one list per dataloader
-        batches = [b for loader in batches for b in loader]
+    predictions = trainer.predict_loop.predictions or []
+    loaders = predictions if predictions and isinstance(predictions[0], list) else [predictions]  # per dataloader
+    rows = [{"dataloader": d, "batch": i, **b} for d, loader in enumerate(loaders) for i, b in enumerate(loader)]
+    batches = [b for loader in loaders for b in loader]
     path = Path(trainer.default_root_dir) / "predictions.jsonl"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps({"batch": i, **b}) + "\n" for i, b in enumerate(batches)))
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     tokens = sum(b["tokens"] for b in batches)
     if not tokens:
         print(f"vlm_retrofit predict: no scored tokens in {len(batches)} batches; wrote {path}", flush=True)
         return
     mean = {k: sum(b[k] * b["tokens"] for b in batches) / tokens for k in ("kl", "compute_realised")}
-    print(f"vlm_retrofit predict: {len(batches)} batches, {tokens} scored tokens: KL to the frozen model "
+    share = f" (process 0 of {trainer.world_size}: its share of the batches)" if trainer.world_size > 1 else ""
+    print(f"vlm_retrofit predict: {len(batches)} batches{share}, {tokens} scored tokens: KL to the frozen model "
           f"{mean['kl']:.4g}, decoder compute realised {mean['compute_realised']:.3f} (skips sampled as in training); "
           f"per batch in {path}", flush=True)
 
@@ -297,8 +299,10 @@ def _report_fit(trainer, model) -> None:
         adapter_dir = Path(trainer.default_root_dir) / "adapter"
         model.save_adapter(adapter_dir)
         size = sum(f.stat().st_size for f in adapter_dir.rglob("*") if f.is_file())
-        lines.append(f"  router adapter {adapter_dir}/ ({size / 1024:.1f} KiB; load with "
-                     "RouterAdapter.from_pretrained(model, path))")
+        how = ("vlm_retrofit.release.load_trained(path): base, LoRA and routers" if model.hparams.lora else
+               "RouterAdapter.from_pretrained(model, path), or load_trained(path) with its base")
+        lines.append(f"  router adapter {adapter_dir}/ ({size / 1024:.1f} KiB; load with {how}; `merge` makes a "
+                     "release of it)")
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
     lines.append(f"  trainable parameters {trainable:,} of {total:,} ({100 * trainable / max(1, total):.3f} %)")

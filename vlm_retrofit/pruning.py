@@ -13,6 +13,7 @@ from torch import nn
 
 from .backbones.loading import half_precision, weights_in_fp32
 from .backbones.registry import BackboneSpec, unwrap_model
+from .errors import InputError
 from .release import RELEASE_CONFIG, RELEASE_FORMAT, RELEASE_FORMAT_VERSION, Loaded, real_logits, save_full_weights
 from .replacement import check_replacements, fold_replacements
 from .routing import RouterAdapter, RouterConfig, attach_routers
@@ -28,7 +29,7 @@ def blocks_to_prune(adapter: RouterAdapter, *, blocks: Iterable[int] | None = No
     A removal the adapter was not trained for (`untrained_removal`: another count or other blocks than its
     removal schedule's) is refused unless `allow_untrained`: its LoRA would run on a model it never saw."""
     if (blocks is None) == (target_saving is None):
-        raise ValueError("say what to prune: either blocks or target_saving (not both)")
+        raise InputError("say what to prune: either blocks or target_saving (not both)")
     layout = adapter.layout
     if blocks is None:
         stored = adapter.calibration.get("static", {}).get(f"{float(target_saving):.4f}")
@@ -37,18 +38,18 @@ def blocks_to_prune(adapter: RouterAdapter, *, blocks: Iterable[int] | None = No
         elif adapter.removal_order is not None:
             blocks = static_prefix(list(adapter.removal_order), layout, float(target_saving))
         else:
-            raise ValueError(f"the adapter has no static calibration for target {target_saving} and no trained "
+            raise InputError(f"the adapter has no static calibration for target {target_saving} and no trained "
                              "removal_order: name the blocks to prune, or run `python -m vlm_retrofit calibrate "
                              "--policy static` first")
     chosen = sorted({int(b) for b in blocks})
     if not chosen:
-        raise ValueError("nothing to prune: the block list is empty")
+        raise InputError("nothing to prune: the block list is empty")
     bad = [b for b in chosen if b not in layout.skippable_blocks]
     if bad:
-        raise ValueError(f"blocks {bad} cannot be pruned: the skippable blocks are {list(layout.skippable_blocks)}")
+        raise InputError(f"blocks {bad} cannot be pruned: the skippable blocks are {list(layout.skippable_blocks)}")
     problem = untrained_removal(adapter, chosen)
     if problem and not allow_untrained:
-        raise ValueError(f"{problem}. Prune one of those (--prune-target), retrain with min_removed_blocks / "
+        raise InputError(f"{problem}. Prune one of those (--prune-target), retrain with min_removed_blocks / "
                          "max_removed_blocks covering this removal, or pass --allow-untrained-removal to prune it anyway")
     return chosen
 
@@ -65,15 +66,15 @@ def prune_layers(model: nn.Module, spec: BackboneSpec, layers: Iterable[int]) ->
     full = getattr(decoder, spec.layers_attr)
     removed = sorted({int(i) for i in layers})
     if not removed:
-        raise ValueError("nothing to prune: the layer list is empty")
+        raise InputError("nothing to prune: the layer list is empty")
     if removed[0] < 0 or removed[-1] >= len(full):
-        raise ValueError(f"layers {removed} are out of range: the decoder has {len(full)} layers")
+        raise InputError(f"layers {removed} are out of range: the decoder has {len(full)} layers")
     if len(removed) == len(full):
-        raise ValueError("pruning every decoder layer leaves no model")
+        raise InputError("pruning every decoder layer leaves no model")
     config = unwrap_model(model).config
     injected = sorted(spec.never_skip_layers(config))
     if injected and removed[0] <= injected[-1]:
-        raise ValueError(f"cannot prune layers {removed}: the backbone injects features at layers {injected} by "
+        raise InputError(f"cannot prune layers {removed}: the backbone injects features at layers {injected} by "
                          f"index; only layers after {injected[-1]} can be pruned")
     _delete_layers(model, spec, full, set(removed))
     return removed
@@ -92,7 +93,7 @@ def layers_removed(model: nn.Module, spec: BackboneSpec, layers: Iterable[int]) 
         yield
         return
     if min(removed) < 0 or max(removed) >= len(full):
-        raise ValueError(f"layers {sorted(removed)} are out of range: the decoder has {len(full)} layers")
+        raise InputError(f"layers {sorted(removed)} are out of range: the decoder has {len(full)} layers")
     text_config = spec.get_text_config(model)
     settings = {name: getattr(text_config, name) for name in [*_per_layer_settings(text_config, len(full)),
                                                               "num_hidden_layers"]}

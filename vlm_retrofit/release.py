@@ -18,7 +18,8 @@ from torch import nn
 from .backbones import base_fingerprint, unchanged_fingerprint, unwrap_model
 from .backbones.loading import RELEASE_CONFIG, half_precision, load_backbone, load_processor, looks_like_a_folder
 from .backbones.tied import record_untied_embeddings, untie, with_tied_partners
-from .files import LORA_FILES, atomic_write, check_complete, staged_folder
+from .errors import InputError
+from .files import LORA_FILES, atomic_write, check_complete, check_replaceable, staged_folder
 from .routing import AdapterMismatchError, RouterAdapter, RouterConfig, attach_routers, check_fingerprint
 from .replacement import load_replacements
 from .routing.adapter import CONFIG_NAME, WEIGHTS_NAME, check_layout, read_adapter_config
@@ -54,7 +55,7 @@ def _load_kwargs(base_model: dict[str, Any], source: str, trust_remote_code: boo
     """How to load the base a checkpoint, adapter or release records. Remote code it records runs only when the
     caller allows it too: the file alone cannot turn it on (a downloaded adapter would run its base's code)."""
     if base_model.get("trust_remote_code") and not trust_remote_code:
-        raise ValueError(f"{source} loads its base model {base_model.get('name')!r} with trust_remote_code=True: "
+        raise InputError(f"{source} loads its base model {base_model.get('name')!r} with trust_remote_code=True: "
                          "Python code from that model's folder or hub repository would run. If you trust it, pass "
                          "trust_remote_code=True (--trust-remote-code on the command line)")
     known = ("trust_remote_code", "torch_dtype", "attn_implementation", "model_class", "kwargs")
@@ -69,7 +70,7 @@ def _load_base(base_model: dict[str, Any], base: str | None, source: str,
             base_model["kwargs"] = None  # tiny_vlm's config overrides, not from_pretrained arguments
         base_model["name"] = base
     if not base_model.get("name"):
-        raise ValueError(f"{source} does not say which base model it belongs to; pass the base explicitly (--base)")
+        raise InputError(f"{source} does not say which base model it belongs to; pass the base explicitly (--base)")
     if base is None and looks_like_a_folder(base_model["name"]) and not Path(base_model["name"]).is_dir():
         raise FileNotFoundError(f"{source} was trained on the base model folder {base_model['name']!r}, which is not "
                                 "there (moved, or another machine): pass where it is now (--base, or base= in Python)")
@@ -443,19 +444,20 @@ def merge(source: str | os.PathLike, output: str | os.PathLike, *, base: str | N
     """
     output = Path(output)
     if output.resolve() == Path(source).resolve() or output.resolve() in Path(source).resolve().parents:
-        raise ValueError(f"--output {output} holds the input {source}: the release replaces the folder whole, so "
+        raise InputError(f"--output {output} holds the input {source}: the release replaces the folder whole, so "
                          "give it a folder of its own")
+    check_replaceable(output, "release")  # and staged_folder checks again when it writes
     release = release_config_of(source)  # refused before anything loads
     if release is not None and release.get("pruned"):
-        raise ValueError(f"{source} is a pruned release: it has no routers left to merge; merge the adapter or "
+        raise InputError(f"{source} is a pruned release: it has no routers left to merge; merge the adapter or "
                          "checkpoint it came from")
     if release is not None and release.get("lora") == "merged":
-        raise ValueError(f"{source} is a release whose LoRA is merged into its weights, which a new release of it "
+        raise InputError(f"{source} is a release whose LoRA is merged into its weights, which a new release of it "
                          "would not carry; merge the adapter or checkpoint it came from")
     loaded = load_trained(source, base, trust_remote_code=trust_remote_code)
     pruning = prune_blocks is not None or prune_target is not None
     if loaded.replacement is not None and not pruning:
-        raise ValueError(f"{source} carries a linear replacement of layers {loaded.replacement[1]}, which only a "
+        raise InputError(f"{source} carries a linear replacement of layers {loaded.replacement[1]}, which only a "
                          "pruned release can use: pass --prune-target (or --prune-blocks) for those layers")
     inputs = _sample_inputs(loaded.processor) if verify or pruning else None
     if pruning:

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from .backbones.registry import BackboneSpec, unwrap_model
+from .errors import InputError
 
 __all__ = ["removed_spans", "output_projection", "fit_replacements", "replacements_applied", "fold_replacements",
            "replacements_folded", "check_replacements", "save_replacements", "load_replacements"]
@@ -43,14 +44,14 @@ def replaced_layers(layers: Iterable[int]) -> list[int]:
     """The layers whose output projection carries the replacement of each removed span (the one in front)."""
     spans = removed_spans(layers)
     if spans and spans[0][0] == 0:
-        raise ValueError("layer 0 is removed: a linear replacement needs a kept layer in front of every removed span")
+        raise InputError("layer 0 is removed: a linear replacement needs a kept layer in front of every removed span")
     return [span[0] - 1 for span in spans]
 
 
 def output_projection(spec: BackboneSpec, layer: nn.Module) -> nn.Module:
     """The linear layer whose output a decoder layer adds to the stream as its MLP update (`mlp.down_proj`)."""
     if spec.mlp_output_attr is None:
-        raise ValueError("this backbone family normalises its MLP output before adding it to the stream "
+        raise InputError("this backbone family normalises its MLP output before adding it to the stream "
                          "(e.g. Gemma's post_feedforward_layernorm), so a linear replacement cannot be folded into "
                          "its weights; prune without replacement")
     module = layer
@@ -140,14 +141,14 @@ def check_replacements(transforms: Mapping[int, Tensor], removed: Iterable[int],
     """Refuse transforms fitted for another set of removed layers, or of the wrong width, naming both."""
     removed, fitted_for = sorted(set(removed)), sorted(set(fitted_for))
     if removed != fitted_for:
-        raise ValueError(f"{source}: the linear replacement was fitted with layers {fitted_for} removed, but layers "
+        raise InputError(f"{source}: the linear replacement was fitted with layers {fitted_for} removed, but layers "
                          f"{removed} are removed now; prune exactly the fitted layers or drop the replacement")
     expected = replaced_layers(removed)
     if sorted(int(i) for i in transforms) != expected:
-        raise ValueError(f"{source}: replacement transforms for layers {sorted(transforms)}, expected {expected}")
+        raise InputError(f"{source}: replacement transforms for layers {sorted(transforms)}, expected {expected}")
     bad = {int(i): tuple(t.shape) for i, t in transforms.items() if tuple(t.shape) != (hidden_size, hidden_size)}
     if bad:
-        raise ValueError(f"{source}: replacement transforms must be {hidden_size}x{hidden_size}, got {bad}")
+        raise InputError(f"{source}: replacement transforms must be {hidden_size}x{hidden_size}, got {bad}")
 
 
 @torch.no_grad()
@@ -234,6 +235,6 @@ def load_replacements(directory: str | os.PathLike) -> tuple[dict[int, Tensor], 
         removed = json.loads((f.metadata() or {}).get("removed_layers", "null") or "null")
         transforms = {int(key.split(".", 1)[1]): f.get_tensor(key) for key in f.keys()}
     if removed is None:
-        raise ValueError(f"{path} does not say which layers its replacement was fitted for (no 'removed_layers' "
+        raise InputError(f"{path} does not say which layers its replacement was fitted for (no 'removed_layers' "
                          "metadata); refit it")
     return transforms, removed

@@ -18,6 +18,10 @@ from .errors import InputError
 
 __all__ = ["FAMILIES", "tiny_vlm", "tiny_inputs"]
 
+
+class UnknownOverrideError(InputError, TypeError):
+    """A `tiny_vlm` override its text config does not define."""
+
 FAMILIES: tuple[str, ...] = (
     "qwen2_vl",
     "qwen2_5_vl",
@@ -414,7 +418,8 @@ def tiny_vlm(family: str, **overrides):
     valid = {f.name for f in dataclasses.fields(text_cls)}
     unknown = sorted(set(overrides) - valid)
     if unknown:
-        raise TypeError(f"tiny_vlm({family!r}): unknown text-config override(s) {unknown} for {spec.text_cfg}")
+        raise UnknownOverrideError(f"tiny_vlm({family!r}): unknown text-config override(s) {unknown} for "
+                                   f"{spec.text_cfg} (a tiny: backbone's backbone_kwargs)")
 
     processor = _processor(family)
     tok = getattr(processor, "tokenizer", processor)

@@ -130,7 +130,8 @@ class RouterAdapter(nn.Module):
         return self
 
     def detach(self) -> None:
-        """Remove every hook and unfreeze what `attach_routers` froze: the model is as it was before."""
+        """Remove every hook and unfreeze the parameters `attach_routers` froze (those that were trainable before
+        it): the model computes and trains as it did before."""
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
@@ -355,10 +356,13 @@ class RouterAdapter(nn.Module):
 
     def save_pretrained(self, directory: str | os.PathLike, *, companions: list[str] | None = None) -> Path:
         """Write `adapter_config.json` + `adapter_model.safetensors` (each replaced atomically). `companions` (files
-        the caller writes beside them, relative paths) replaces `self.companions`; None keeps it."""
+        the caller writes beside them, relative paths) replaces `self.companions`; None keeps those this folder
+        holds."""
         directory = Path(directory)
-        if companions is not None:
-            self.companions = sorted(companions)
+        # None keeps what the folder loaded from had, where this folder has it too (calibrate in place); a copy
+        # saved elsewhere without them must not claim them.
+        self.companions = sorted(companions if companions is not None else
+                                 [c for c in self.companions if (directory / c).exists()])
         directory.mkdir(parents=True, exist_ok=True)
         tensors = {k: v.detach().to("cpu").contiguous() for k, v in self.state_dict().items()}
         atomic_write(directory / WEIGHTS_NAME, lambda path: save_file(tensors, path, metadata={"format": "pt"}))

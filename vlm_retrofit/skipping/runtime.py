@@ -46,18 +46,20 @@ def _map_output(output: Any, fn: Callable[[Tensor], Tensor]) -> Any:
     return fn(output)
 
 
-def key_padding_mask(mask: Any, batch: int, length: int) -> Tensor | None:
+def key_padding_mask(mask: Any, batch: int, length: int, window: int | None = None) -> Tensor | None:
     """Bool [batch, length] (False at padding) over the cache and a forward's tokens, from the top model's attention
     mask: the 2-D one, or the 4-D ones `generate` builds with a static cache (a tensor, or a dict by attention type),
-    read from the last query row, which sees every real token before it and itself, and no padding. None when the
-    mask says nothing of the padding."""
-    if isinstance(mask, dict):  # a sliding window's rows do not see every earlier token
-        mask = mask.get("full_attention")
+    read from the last query row, which sees every real token before it and itself, and no padding. A model whose
+    every layer attends over a sliding `window` has no full-attention mask: its row is read only while the window
+    holds every position (beyond, the positions it leaves out would read as padding). None when the mask says
+    nothing of the padding."""
+    if isinstance(mask, dict):
+        mask = mask.get("full_attention", mask.get("sliding_attention"))
     if not isinstance(mask, Tensor) or mask.shape[0] != batch:
         return None
     if mask.dim() == 2:
         return mask.bool() if mask.shape[1] == length else None
-    if mask.dim() != 4 or mask.shape[-1] < length:
+    if mask.dim() != 4 or mask.shape[-1] < length or (window is not None and length > window):
         return None
     row = mask[:, 0, -1, :length]
     # Additive float masks hold 0 where attended and the dtype's minimum where not.
@@ -93,6 +95,9 @@ class SkipController:
                                  block_layers=[len(self.layout.layers_of_block(b)) for b in range(self.layout.num_blocks)])
         self.costs = LayerCost.per_layer(adapter.spec.get_text_config(adapter.model), self.layout.num_layers)
         """One cost per decoder layer (sliding-window layers attend over their window only)."""
+        windows = [cost.sliding_window for cost in self.costs]
+        self._mask_window = None if None in windows else min(windows)
+        """The window of a model whose every layer slides: its 4-D masks show padding only within it."""
         self._skip: dict[int, Tensor | None] = {}
         self._none_ran: set[int] = set()
         """Blocks that every token skips in this forward (their delta is dropped from the stream)."""
@@ -202,7 +207,8 @@ class SkipController:
         tokens_shape = state.stack.shape[:-1]
         if self._token_is_image is not None and self._token_is_image.shape == tokens_shape:
             state.token_is_image = self._token_is_image
-        mask = key_padding_mask(self._attention_mask, tokens_shape[0], state.context_length + tokens_shape[1])
+        mask = key_padding_mask(self._attention_mask, tokens_shape[0], state.context_length + tokens_shape[1],
+                                self._mask_window)
         if mask is not None:
             state.attention_mask = mask
             if state.context_length == 0:  # decode steps hold no padding: no per-block masking work there

@@ -3,6 +3,7 @@ never loses the final steps."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -124,10 +125,23 @@ learning rates, weight decay, betas) whatever this run says; the schedule's shap
 stored and follows this run."""
 
 
+def _optimizer_setting(key: str, value: Any) -> Any:
+    """A setting in a form that compares by meaning: no kwargs = {}, an optimizer name = its class."""
+    if key == "optimizer_kwargs":
+        return dict(value or {})
+    if key == "optimizer" and isinstance(value, str):
+        from .optim import optimizer_class
+
+        with contextlib.suppress(Exception):  # unknown here: compared by name
+            return optimizer_class(value)
+    return value
+
+
 def check_optimizer_settings(saved: dict[str, Any], hparams: Any) -> None:
     """Refuse to resume a fit with optimizer settings other than the checkpoint's: its restored state would set
     the learning rates and the rest back, and the run would ignore them silently."""
-    changed = {k: (saved[k], hparams.get(k)) for k in OPTIMIZER_STATE_FIELDS if k in saved and saved[k] != hparams.get(k)}
+    changed = {k: (saved[k], hparams.get(k)) for k in OPTIMIZER_STATE_FIELDS
+               if k in saved and _optimizer_setting(k, saved[k]) != _optimizer_setting(k, hparams.get(k))}
     if changed:
         details = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changed.items())
         raise AdapterMismatchError(
