@@ -73,14 +73,18 @@ class SkipAwareGenerationCallback(pl.Callback):
         self.enabled, self.every_n_epochs = enabled, max(1, int(every_n_epochs))
         self.max_samples, self.max_new_tokens = int(max_samples), int(max_new_tokens)
         self.policy, self.target_saving = policy, float(target_saving)
+        self.active_policy = policy or "recent_weight"
+        """The policy generating runs with: `policy`, or the model's when None (resolved in `setup`)."""
         self._batches: list[Mapping[str, Any]] = []
         self.last_metrics: dict[str, float] = {}
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         adapter = getattr(pl_module, "adapter", None)
-        if adapter is not None and self.policy is None:
-            self.policy = "gate" if adapter.config.skip_gate else "recent_weight"
-        if self.enabled and self.policy == "gate" and adapter is not None and not adapter.config.skip_gate:
+        if adapter is None:
+            return
+        # The configured policy stays as given: a callback set up again for another model resolves None anew.
+        self.active_policy = self.policy or ("gate" if adapter.config.skip_gate else "recent_weight")
+        if self.enabled and self.active_policy == "gate" and not adapter.config.skip_gate:
             # Before any step or validation batch: found at the first validation's end, it stopped the run there.
             raise InputError("SkipAwareGenerationCallback's policy 'gate' needs routers with skip gates, and this "
                              "model has none (router.skip_gate: false): give the callback another policy "
@@ -104,10 +108,10 @@ class SkipAwareGenerationCallback(pl.Callback):
         tokenizer = getattr(processor, "tokenizer", processor)
         prompts = [prompts_from_batch(b, generation_pad_id(tokenizer)) for b in self._batches]
         key = f"{self.target_saving:.4f}"
-        settings = adapter.calibration.get(self.policy, {}).get(key)
+        settings = adapter.calibration.get(self.active_policy, {}).get(key)
         if settings is None:
-            settings = calibrate(adapter, prompts, self.target_saving, self.policy, store=False).settings
-        metrics, report = compare_generation(model, adapter, prompts, self.policy, settings, tokenizer,
+            settings = calibrate(adapter, prompts, self.target_saving, self.active_policy, store=False).settings
+        metrics, report = compare_generation(model, adapter, prompts, self.active_policy, settings, tokenizer,
                                              max_new_tokens=self.max_new_tokens)
         self.last_metrics = metrics
         pl_module.log_dict(metrics, rank_zero_only=True)
@@ -124,7 +128,8 @@ class SkipAwareGenerationCallback(pl.Callback):
 
         figure, axis = plt.subplots(figsize=(max(4, 0.35 * len(rates)), 2.5))
         axis.bar(range(len(rates)), rates)
-        axis.set(xlabel="block", ylabel="skip rate", ylim=(0, 1), title=f"{self.policy}, epoch {trainer.current_epoch}")
+        axis.set(xlabel="block", ylabel="skip rate", ylim=(0, 1),
+                 title=f"{self.active_policy}, epoch {trainer.current_epoch}")
         figure.tight_layout()
         for logger in trainer.loggers:
             experiment = getattr(logger, "experiment", None)
@@ -144,7 +149,8 @@ class SkipAwareGenerationCallback(pl.Callback):
                 ("tokens/s skip | base", f"{metrics['skip/tokens_per_s']:.1f} | {metrics['skip/base_tokens_per_s']:.1f}"),
                 ("skip rate per block", " ".join(f"{r:.2f}" for r in rates))]
         width = max(len(name) for name, _ in rows)
-        print(f"\nskip-aware generation ({self.policy}, target {100 * self.target_saving:.0f} %, epoch {trainer.current_epoch})")
+        print(f"\nskip-aware generation ({self.active_policy}, target {100 * self.target_saving:.0f} %, "
+              f"epoch {trainer.current_epoch})")
         for name, value in rows:
             print(f"  {name:<{width}}  {value}")
 

@@ -78,4 +78,4 @@ def test_a_gate_policy_without_gates_is_refused_at_setup_not_after_the_first_val
     for gates, policy in ((False, "recent_weight"), (True, "gate")):
         callback = SkipAwareGenerationCallback()
         callback.setup(None, SimpleNamespace(adapter=SimpleNamespace(config=RouterConfig(skip_gate=gates))), "fit")
-        assert callback.policy == policy
+        assert callback.active_policy == policy and callback.policy is None

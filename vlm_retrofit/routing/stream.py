@@ -262,7 +262,7 @@ class StreamState:
     context_length: int = 0
     """Tokens the KV cache held when this forward began (0 in prefill or without a cache)."""
     attention_mask: Tensor | None = None
-    """Bool [B, context_length + T], False at padding: the top model's attention mask over the cache and this
+    """[B, context_length + T], zero / False at padding: the top model's attention mask over the cache and this
     forward's tokens, when a skip context knows it (None: no padding anywhere)."""
 
     def sequence_positions(self) -> Tensor:

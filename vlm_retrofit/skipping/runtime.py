@@ -47,18 +47,18 @@ def _map_output(output: Any, fn: Callable[[Tensor], Tensor]) -> Any:
 
 
 def key_padding_mask(mask: Any, batch: int, length: int, window: int | None = None) -> Tensor | None:
-    """Bool [batch, length] (False at padding) over the cache and a forward's tokens, from the top model's attention
-    mask: the 2-D one, or the 4-D ones `generate` builds with a static cache (a tensor, or a dict by attention type),
-    read from the last query row, which sees every real token before it and itself, and no padding. A model whose
-    every layer attends over a sliding `window` has no full-attention mask: its row is read only while the window
-    holds every position (beyond, the positions it leaves out would read as padding). None when the mask says
-    nothing of the padding."""
+    """[batch, length], zero / False at padding, over the cache and a forward's tokens, from the top model's
+    attention mask: the 2-D one as it is (no copy on the decode path), or the 4-D ones `generate` builds with a
+    static cache (a tensor, or a dict by attention type), read from the last query row, which sees every real token
+    before it and itself, and no padding. A model whose every layer attends over a sliding `window` has no
+    full-attention mask: its row is read only while the window holds every position (beyond, the positions it
+    leaves out would read as padding). None when the mask says nothing of the padding."""
     if isinstance(mask, dict):
         mask = mask.get("full_attention", mask.get("sliding_attention"))
     if not isinstance(mask, Tensor) or mask.shape[0] != batch:
         return None
     if mask.dim() == 2:
-        return mask.bool() if mask.shape[1] == length else None
+        return mask if mask.shape[1] == length else None
     if mask.dim() != 4 or mask.shape[-1] < length or (window is not None and length > window):
         return None
     row = mask[:, 0, -1, :length]
@@ -116,7 +116,8 @@ class SkipController:
         self._image_ids = torch.tensor(sorted(adapter.spec.image_token_ids(unwrap_model(adapter.model).config)))
         self._token_is_image: Tensor | None = None
         self._attention_mask: Any = None
-        """The top model's 2-D attention mask in its current call, over the cache and the new tokens."""
+        """The top model's attention mask in its current call as given (2-D, or 4-D masks with a static cache);
+        `key_padding_mask` reads the padding from it."""
         self._continues_cache: bool | None = None
         """Whether the current call of the top model was given a KV cache (generate passes one from its prefill
         on; a teacher-forced call does not); None when the decoder was called without the top model."""
