@@ -413,7 +413,7 @@ def test_a_checkpoint_file_rebuilds_its_model_only_where_no_model_settings_are_g
     assert _fit(tmp_path, "--ckpt_path", checkpoint, "--model.lr", "0.02", "--model.optimizer", "torch.optim.AdamW",
                 "--model.optimizer_kwargs", "{}", steps=3) == 0
     # No model settings given: `validate --ckpt_path X` rebuilds X's model, whatever the file is called.
-    assert read_hyperparameters(checkpoint)["compute_target"] == 0.6  # the default run's is 0.75
+    assert read_hyperparameters(checkpoint)["model"]["compute_target"] == 0.6  # the default run's is 0.75
     renamed = tmp_path / "registry_last.ckpt"  # not Lightning's model registry ("registry" or "registry:...")
     shutil.copy(checkpoint, renamed)
     assert main(["validate", "--ckpt_path", str(renamed), *FIXED_DATA, "--trainer.logger", "false",
@@ -422,3 +422,35 @@ def test_a_checkpoint_file_rebuilds_its_model_only_where_no_model_settings_are_g
     assert f"the model settings come from {renamed}" in capsys.readouterr().err
     saved = (tmp_path / "validate" / "config.yaml").read_text()
     assert "compute_target: 0.6" in saved and "max_drop_rate: 0.5" in saved and "lr: 0.02" in saved
+
+
+def test_a_checkpoint_file_brings_its_data_settings_where_none_are_given(tmp_path, capsys):
+    # Before, `validate --ckpt_path X` (no --config) validated X on the built-in synthetic shards whatever X was
+    # trained on, and `fit --ckpt_path X` resumed X on them.
+    import yaml
+
+    from vlm_retrofit.cli import read_hyperparameters
+
+    trained_on = ["--data", "vlm_retrofit.training.FixedBatchDataModule", "--data.num_batches", "3",
+                  "--data.val_batches", "1", "--data.batch_size", "2", "--data.image_size", "28"]
+    assert _fit(tmp_path, data=trained_on, steps=2) == 0
+    checkpoint = str(tmp_path / "checkpoints" / "last.ckpt")
+    recorded = read_hyperparameters(checkpoint)["data"]
+    assert recorded["class_path"] == "vlm_retrofit.training.FixedBatchDataModule"
+    assert recorded["init_args"]["image_size"] == 28 and "processor" not in recorded["init_args"]
+
+    def validated_with(*extra):
+        root = tmp_path / f"validate{len(extra)}"
+        assert main(["validate", "--ckpt_path", checkpoint, *extra, "--trainer.logger", "false",
+                     "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", str(root)]) == 0
+        return yaml.safe_load((root / "config.yaml").read_text())
+
+    config = validated_with()
+    assert f"the model and data settings come from {checkpoint}" in capsys.readouterr().err
+    assert config["data"]["class_path"] == "vlm_retrofit.training.FixedBatchDataModule"
+    assert config["data"]["init_args"] == recorded["init_args"]  # the saved config leaves out the linked ones
+    # Data settings given: they stand, and only the model comes from the file.
+    config = validated_with("--data.batch_size", "1")
+    assert f"the model settings come from {checkpoint}" in capsys.readouterr().err
+    assert config["data"]["class_path"].endswith("WebDatasetDataModule")
+    assert config["data"]["init_args"]["batch_size"] == 1

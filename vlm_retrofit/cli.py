@@ -115,6 +115,7 @@ def _lightning_cli_class():
 
         def add_arguments_to_parser(self, parser) -> None:
             # The datamodule formats text with the backbone's own processor: one setting for both.
+            # (LINKED_DATA_ARGUMENTS names both links.)
             parser.link_arguments("model.backbone", "data.init_args.processor")
             # One seed for the skip sampling and the data stream: Lightning refuses to log two values of `seed`.
             parser.link_arguments("model.seed", "data.init_args.seed")
@@ -130,23 +131,28 @@ def _lightning_cli_class():
             })
 
         def parse_arguments(self, parser, args) -> None:
-            self.model_settings_given = gives_model_settings(sys.argv[1:] if args is None else args)
+            argv = sys.argv[1:] if args is None else args
+            self.settings_given = {part: gives_settings(argv, part) for part in ("model", "data")}
             super().parse_arguments(parser, args)
 
         def _parse_ckpt_path(self) -> None:
             # Lightning writes a checkpoint's hyperparameters over the parsed config, whatever the user set: a
             # model setting given in --config or on the command line was dropped silently, and the resume checks
-            # compared the checkpoint with itself. Here a checkpoint file rebuilds its model only where the user
-            # gave no model settings at all (`validate --ckpt_path X`); otherwise what the user set stands and the
-            # checkpoint's load refuses what it cannot take (`check_checkpoint`: another base, router layout, ...).
+            # compared the checkpoint with itself. Here a checkpoint file rebuilds its model, and its datamodule,
+            # only where the user gave no settings for it at all (`validate --ckpt_path X`: before, that validated X
+            # on the built-in synthetic shards whatever X was trained on); otherwise what the user set stands and
+            # the checkpoint's load refuses what it cannot take (`check_checkpoint`: another base, router layout...).
             subcommand = self.config.get("subcommand")
             ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
             if not ckpt_path or lightning_checkpoint_name(ckpt_path):
                 return  # resolved by Lightning once the trainer is built
-            hparams = read_hyperparameters(ckpt_path)
-            if hparams and not self.model_settings_given:
-                self.config = self.parser.parse_object({subcommand: {"model": hparams}}, self.config)
-                print(f"{subcommand}: the model settings come from {ckpt_path} (none were given)", file=sys.stderr)
+            recorded = read_hyperparameters(ckpt_path)
+            restored = {part: settings for part, settings in recorded.items()
+                        if settings and not self.settings_given[part]}
+            if restored:
+                self.config = self.parser.parse_object({subcommand: restored}, self.config)
+                print(f"{subcommand}: the {' and '.join(restored)} settings come from {ckpt_path} (none were given)",
+                      file=sys.stderr)
 
         def instantiate_trainer(self, **kwargs: Any):
             trainer = super().instantiate_trainer(**kwargs)
@@ -194,9 +200,10 @@ def input_error(error: BaseException) -> InputError | None:
     return None
 
 
-def read_hyperparameters(ckpt_path: str) -> dict[str, Any]:
-    """The model's init arguments a Lightning checkpoint recorded (empty where it recorded none); a path that is not
-    a checkpoint file is refused naming what it is."""
+def read_hyperparameters(ckpt_path: str) -> dict[str, dict[str, Any]]:
+    """The init arguments a Lightning checkpoint recorded, as config sections: "model" (the module's) and "data"
+    (the datamodule's class and arguments, less those linked from the model's); a section it did not record is
+    empty. A path that is not a checkpoint file is refused naming what it is."""
     import pickle
 
     import torch
@@ -217,17 +224,26 @@ def read_hyperparameters(ckpt_path: str) -> dict[str, Any]:
     if not isinstance(checkpoint, dict):
         raise InputError(f"--ckpt_path {ckpt_path} is not a Lightning checkpoint (it holds a "
                          f"{type(checkpoint).__name__})")
-    hparams = dict(checkpoint.get("hyper_parameters") or {})
-    hparams.pop("_instantiator", None)
-    return hparams
+    model = dict(checkpoint.get("hyper_parameters") or {})
+    model.pop("_instantiator", None)
+    data = dict(checkpoint.get("datamodule_hyper_parameters") or {})
+    data.pop("_instantiator", None)
+    class_path = data.pop("_class_path", None)
+    # The processor and the seed follow the model's settings (links): the parser refuses them given directly.
+    init_args = {key: value for key, value in data.items() if key not in LINKED_DATA_ARGUMENTS}
+    return {"model": model, "data": {"class_path": class_path, "init_args": init_args} if class_path else {}}
 
 
-def gives_model_settings(argv: Sequence[str] | Any) -> bool:
-    """Whether command-line arguments set the model: a --config file (which may hold a model section) or any
-    --model.* option (`fit` without them runs the built-in default model)."""
+LINKED_DATA_ARGUMENTS = ("processor", "seed")
+"""Datamodule arguments the command line sets from the model's (`model.backbone`, `model.seed`)."""
+
+
+def gives_settings(argv: Sequence[str] | Any, part: str) -> bool:
+    """Whether command-line arguments set `part` ("model", "data"): a --config file (which may hold that section)
+    or any --<part>.* option (`fit` without them runs the built-in default)."""
     if not isinstance(argv, (list, tuple)):
         return True  # a dict or Namespace given in Python
-    return any(a in ("-c", "--config", "--model") or a.startswith(("--config=", "--model.", "--model="))
+    return any(a in ("-c", "--config", f"--{part}") or a.startswith(("--config=", f"--{part}.", f"--{part}="))
                for a in map(str, argv))
 
 
