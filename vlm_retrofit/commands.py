@@ -14,7 +14,7 @@ import torch
 
 from .files import check_replaceable, write_adapter_folder
 from .release import (Loaded, add_trust_remote_code_flag, load_base_model, load_trained, refresh_model_card,
-                      release_config_of, summarize_pruning)
+                      is_pruned_release, summarize_pruning)
 from .skipping import POLICIES, SkipController, calibrate
 
 
@@ -78,7 +78,7 @@ def calibrate_main(argv: list[str] | None = None) -> int:
     from .datamodules import DataQualityError, ShardError, WebDatasetDataModule, model_inputs
 
     source = Path(ns.model)
-    if (release_config_of(source) or {}).get("pruned"):
+    if is_pruned_release(source):
         print(f"calibrate refused: {source} is a pruned release: its layers are deleted and it has no routers to "
               "calibrate; calibrate the adapter or checkpoint it was merged from", file=sys.stderr)
         return 1
@@ -245,7 +245,7 @@ def generate_main(argv: list[str] | None = None) -> int:
         print(f"generate refused: image {ns.image} cannot be read ({type(error).__name__}: {error})",
               file=sys.stderr)
         return 1
-    if ns.skip_policy and (release_config_of(ns.model) or {}).get("pruned"):
+    if ns.skip_policy and is_pruned_release(ns.model):
         print(f"generate refused: {ns.model} is a pruned release with no routers: drop --skip-policy (its removed "
               "layers are deleted from the weights, every token saves them)", file=sys.stderr)
         return 1

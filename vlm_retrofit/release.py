@@ -239,6 +239,11 @@ def release_config_of(path: str | os.PathLike) -> dict[str, Any] | None:
     return read_release_config(path) if (path / RELEASE_CONFIG).is_file() else None
 
 
+def is_pruned_release(path: str | os.PathLike) -> bool:
+    """Whether `path` is a pruned release folder (its layers deleted, no routers left): read from its config only."""
+    return bool((release_config_of(path) or {}).get("pruned"))
+
+
 def summarize_pruning(directory: str | os.PathLike) -> str:
     """One line on what a pruned release removed (read from its release config)."""
     pruned = read_release_config(Path(directory))["pruned"]
@@ -447,11 +452,10 @@ def merge(source: str | os.PathLike, output: str | os.PathLike, *, base: str | N
         raise InputError(f"--output {output} holds the input {source}: the release replaces the folder whole, so "
                          "give it a folder of its own")
     check_replaceable(output, "release")  # and staged_folder checks again when it writes
-    release = release_config_of(source)  # refused before anything loads
-    if release is not None and release.get("pruned"):
+    if is_pruned_release(source):  # refused before anything loads
         raise InputError(f"{source} is a pruned release: it has no routers left to merge; merge the adapter or "
                          "checkpoint it came from")
-    if release is not None and release.get("lora") == "merged":
+    if (release_config_of(source) or {}).get("lora") == "merged":
         raise InputError(f"{source} is a release whose LoRA is merged into its weights, which a new release of it "
                          "would not carry; merge the adapter or checkpoint it came from")
     loaded = load_trained(source, base, trust_remote_code=trust_remote_code)
