@@ -21,10 +21,11 @@ TEST_IMAGE := from bench.data import tuxpaint_split; path, caption = tuxpaint_sp
 # The whole story on a real small VLM built offline from registry-only parts (bench/README.md): build it and the
 # shards once (~5 min on 2 CPU cores, cached), heal the removal of 6 of its 30 layers with a LoRA (~5 min), merge
 # a pruned release (the layers deleted from the weights), answer about a test image beside the unmodified base.
+# The config's bf16-mixed steps become fp32 where the CPU has no fast bf16 kernels (vlm_retrofit.hardware).
 demo: $(VENV)/.bench-installed
 	$(PY) -m bench.real_vlm
 	$(PY) -m bench.data
-	$(PY) -m vlm_retrofit fit --config configs/smollm2-tuxpaint.yaml
+	$(PY) -m vlm_retrofit fit --config configs/smollm2-tuxpaint.yaml $$($(PY) -m vlm_retrofit.hardware --fit-flags)
 	$(PY) -m vlm_retrofit merge --ckpt $(REAL)/adapter --output $(REAL)/release --prune-target 0.2
 	$(PY) -m vlm_retrofit generate --model $(REAL)/release --image "$$($(PY) -c '$(TEST_IMAGE)')" \
 		--prompt "Describe the image." --max-new-tokens 24 --compare-base

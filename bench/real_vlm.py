@@ -31,7 +31,7 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -43,6 +43,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 from PIL import Image  # noqa: E402
+
+from vlm_retrofit.hardware import fast_bf16  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent
 CACHE_DIR = ROOT / ".cache" / "real_vlm"
@@ -90,9 +92,10 @@ class TrainSettings:
     weight_decay: float = 0.01
     seed: int = 0
     log_every: int = 25
-    bf16_autocast: bool = True
-    """Run the frozen LM's matmuls in bf16 during training steps only (~2x faster on CPU); the projector and AdamW
-    stay fp32, and every reported validation loss is computed in fp32."""
+    bf16_autocast: bool = field(default_factory=fast_bf16)
+    """Run the frozen LM's matmuls in bf16 during training steps only (~2x faster on a CPU with AVX512-BF16); the
+    projector and AdamW stay fp32, and every reported validation loss is computed in fp32. Off by default where the
+    CPU has no fast bf16 kernels (`vlm_retrofit.hardware.fast_bf16`: there bf16 is some 70x slower than fp32)."""
 
 
 # --------------------------------------------------------------------------------------------------------------------

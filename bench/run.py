@@ -16,6 +16,8 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
+from vlm_retrofit.hardware import fast_bf16
+
 from .report import write_report
 from .sweep import (SKIP_IMAGE_POSITIONS, Bench, build_eval_set, joint_removal_order, rank_blocks, search_key,
                     span_removal_order, sweep)
@@ -424,10 +426,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--train-steps", type=int, default=None,
                         help="decay over this many steps instead (implies --decay-over steps; the time budget still "
                              "caps it)")
-    parser.add_argument("--train-precision", default="bf16-mixed", choices=["32-true", "bf16-mixed"],
+    parser.add_argument("--train-precision", default=None, choices=["32-true", "bf16-mixed"],
                         help="Lightning precision of the distillation steps: bf16-mixed runs the matmuls in bf16 "
                              "under autocast (1.25x the steps per minute of 32-true over a whole run on 2 AVX512-BF16 "
-                             "CPU cores); the KL and the trained weights stay fp32")
+                             "CPU cores); the KL and the trained weights stay fp32. Default: bf16-mixed where the "
+                             "device has fast bf16 kernels, else 32-true (a CPU without AVX512 runs bf16 some 70x "
+                             "slower than fp32: vlm_retrofit.hardware)")
     parser.add_argument("--train-dtype", default=None, choices=["float32", "bfloat16"],
                         help="dtype of the frozen weights during distillation (evaluation uses --dtype); default "
                              "bfloat16 under bf16-mixed steps (autocast then casts no frozen weight each step: "
@@ -516,6 +520,8 @@ def main(argv: list[str] | None = None) -> int:
     if stale:  # refused before any work: reusing them would mislabel rows
         raise SystemExit("trained adapters that do not match this run's training (delete them to retrain):\n  "
                          + "\n  ".join(stale))
+    if args.train_precision is None:
+        args.train_precision = "bf16-mixed" if fast_bf16(args.device) else "32-true"
     train_dtype = args.train_dtype or ("bfloat16" if args.train_precision == "bf16-mixed" else args.dtype)
     training = {}
     for variant in variants:

@@ -170,6 +170,7 @@ def _lightning_cli_class():
             return trainer
 
         def before_fit(self) -> None:
+            _warn_about_slow_bf16(self.trainer, self.model)
             if self.config_init[self.subcommand].get("ckpt_path") == "last":
                 check_nothing_to_resume_is_missed(self.trainer)
 
@@ -177,6 +178,7 @@ def _lightning_cli_class():
             _report_fit(self.trainer, self.model)
 
         def before_validate(self) -> None:
+            _warn_about_slow_bf16(self.trainer, self.model)
             _warn_without_checkpoint(self.config_init[self.subcommand].get("ckpt_path"), self.subcommand)
 
         before_test = before_predict = before_validate
@@ -267,6 +269,17 @@ def _warn_without_checkpoint(ckpt_path: str | None, subcommand: str) -> None:
 
         rank_zero_warn(f"{subcommand} without --ckpt_path evaluates the routers as initialised (identity: the base "
                        "model), not a trained run; pass --ckpt_path <run>/checkpoints/last.ckpt (or 'last')")
+
+
+def _warn_about_slow_bf16(trainer, model) -> None:
+    from lightning.pytorch.utilities import rank_zero_warn
+
+    from .hardware import slow_bf16_warning
+
+    message = slow_bf16_warning(str(trainer.strategy.root_device), trainer.precision,
+                                getattr(model, "hparams", {}).get("torch_dtype"))
+    if message:
+        rank_zero_warn(message)
 
 
 def _report_predictions(trainer) -> None:
