@@ -106,8 +106,43 @@ def test_an_installed_plug_in_registers_its_family_where_it_is_first_needed(monk
         resolve(model)
 
 
+def test_a_plug_in_for_a_family_transformers_does_not_know_is_loaded_before_its_folder_is_read(tmp_path, monkeypatch):
+    # Before: load_backbone read the folder's config before any plug-in ran, so a family whose plug-in also
+    # registers its transformers classes failed with "Transformers does not recognize this architecture".
+    from importlib.metadata import EntryPoint
+
+    import transformers
+
+    import vlm_retrofit.backbones.registry as registry
+    from vlm_retrofit.backbones.loading import load_backbone
+
+    model = ToyForCausalLM(ToyConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                     num_attention_heads=4, num_key_value_heads=2))
+    model.save_pretrained(tmp_path / "toy")
+    tiny_vlm("llama")[1].save_pretrained(tmp_path / "toy")  # its tokenizer
+    entries = [EntryPoint("toy", f"{__name__}:register_toy_with_transformers", registry.PLUGIN_GROUP)]
+    monkeypatch.setattr("importlib.metadata.entry_points", lambda group=None: [e for e in entries if e.group == group])
+    monkeypatch.setattr(registry, "_plugins_loaded", False)
+    try:
+        loaded, _ = load_backbone(str(tmp_path / "toy"))
+        assert type(loaded) is ToyForCausalLM and resolve(loaded) is registry._REGISTRY["toy_llama"]
+    finally:
+        registry._REGISTRY.pop("toy_llama", None)
+        # What the plug-in's register() calls wrote: other tests must not find the toy family known.
+        transformers.models.auto.configuration_auto.CONFIG_MAPPING._extra_content.pop("toy_llama", None)
+        transformers.AutoModelForCausalLM._model_mapping._extra_content.pop(ToyConfig, None)
+
+
 def register_toy():
     register_backbone("toy_llama", BackboneSpec())
+
+
+def register_toy_with_transformers():
+    import transformers
+
+    transformers.AutoConfig.register("toy_llama", ToyConfig, exist_ok=True)
+    transformers.AutoModelForCausalLM.register(ToyConfig, ToyForCausalLM, exist_ok=True)
+    register_toy()
 
 
 class ToyConfig(LlamaConfig):

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ..errors import InputError
-from .registry import spec_for
+from .registry import load_plugins, spec_for
 
 HUB_ID = r"[\w.-]+(/[\w.-]+)?"
 """What a model hub id looks like (`name` or `org/name`); a backbone name of another form is a local path."""
@@ -168,6 +168,7 @@ def load_backbone(name: str, *, trust_remote_code: bool = False, torch_dtype: st
             spec_for(config_class.model_type)
         model = model_class_.from_pretrained(name, **load_kw)
     else:
+        load_plugins()  # a plug-in may register its family's transformers classes as well as its spec
         config = transformers.AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code, **config_kw)
         spec_for(config.model_type)  # an unsupported family is refused before its weights load (minutes for a 7B)
         try:
