@@ -229,6 +229,34 @@ def test_a_plug_in_family_with_layers_that_rotate_no_keys_skips_consistently():
         unregister_backbone("smollm3")
 
 
+def test_the_skip_check_compares_cached_keys_not_only_logits_and_covers_every_kind_of_layer():
+    # Cohere 2's full-attention layers rotate no keys. A spec that rotates them passed the check: the wrong keys
+    # moved a tiny random model's logits by 3e-5 at most (under the 1e-4 tolerance), and on 4 layers the only
+    # full-attention layer sits in the last block, which never skips, so its path was never run.
+    from transformers import Cohere2Config, Cohere2ForCausalLM
+
+    def cohere2(layers):
+        torch.manual_seed(0)
+        config = Cohere2Config(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
+                               pad_token_id=0, eos_token_id=1, bos_token_id=2)
+        return Cohere2ForCausalLM(config).eval()
+
+    inputs = {"input_ids": torch.randint(3, 96, (1, 6), generator=torch.Generator().manual_seed(1)),
+              "attention_mask": torch.ones(1, 6, dtype=torch.long)}
+    right = BackboneSpec(uses_rotary=lambda attention: attention.sliding_window is not None)
+    try:
+        register_backbone("cohere2", BackboneSpec())
+        with pytest.raises(AssertionError, match=r"other K/V than the layers themselves do \(layer 3 keys off by"):
+            check_skip_consistency(cohere2(8), inputs)
+        with pytest.raises(AssertionError, match=r"no 'full_attention' layer \(layers \[3\]\) may skip"):
+            check_skip_consistency(cohere2(4), inputs)
+        register_backbone("cohere2", right, overwrite=True)
+        assert check_skip_consistency(cohere2(8), inputs) <= 1e-4
+    finally:
+        unregister_backbone("cohere2")
+
+
 def test_a_key_norm_under_another_name_than_the_spec_says_is_refused_by_name():
     model, _ = tiny_vlm("qwen3_vl")  # its attention has `k_norm`
     spec = BackboneSpec(k_norm_attr="key_norm")

@@ -3,27 +3,36 @@
 from __future__ import annotations
 
 from typing import Any, Mapping
+from unittest.mock import patch
 
 import torch
 from torch import nn
 
 from ..backbones import resolve
 from ..routing import RouterConfig, attach_routers, get_adapter
+from . import runtime
 from .policies import RandomPolicy
+from .runtime import kv_only
 
 
 @torch.no_grad()
 def check_skip_consistency(model: nn.Module, inputs: Mapping[str, Any], config: RouterConfig | None = None, *,
-                           rate: float = 0.45, seed: int = 3, new_tokens: int = 6, atol: float = 1e-4) -> float:
+                           rate: float = 0.45, seed: int = 3, new_tokens: int = 6, atol: float = 1e-4,
+                           kv_rtol: float = 1e-5) -> float:
     """Attach fresh routers to `model`, generate greedily from `inputs` under random skipping with the KV cache
     and without it, detach, and return the max difference of their logits.
 
     With the cache, a skipped layer writes its K/V through the spec's kv-only path (input norm, k/v projections,
     k-norm, rotary: `BackboneSpec.attention_parts`); without it every step recomputes the sequence, applying the
     same skips. Identity at init (`check_identity`) never runs that path, so a spec can pass it and still break
-    the cache. Raises AssertionError naming what went wrong (the tokens or logits differ, or the kv-only path
-    failed on this family's layers); the model is left as it was given. Use an input batch of one row: whole
-    decoding steps then skip blocks, which is where the kv-only path runs.
+    the cache. A tiny random model's logits hardly move when one layer caches wrong keys, so the cache itself is
+    checked too: every layer's K/V after a run through the kv-only path must equal, within `kv_rtol` of their
+    largest magnitude, those of the same run with the skipped layers run whole, and every kind of attention layer
+    (`layer_types`) that may skip must have written through the kv-only path at least once.
+
+    Raises AssertionError naming what went wrong (the tokens, logits or cached K/V differ, a kind of layer went
+    unchecked, or the kv-only path failed on this family's layers); the model is left as it was given. Use an
+    input batch of one row: whole decoding steps then skip blocks, which is where the kv-only path runs.
     """
     if get_adapter(model) is not None:
         raise RuntimeError("check_skip_consistency needs a model without routers; detach the existing adapter first")
@@ -34,28 +43,89 @@ def check_skip_consistency(model: nn.Module, inputs: Mapping[str, Any], config: 
     # A random model may emit an image placeholder, which the uncached re-run would take for an image.
     options = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, output_logits=True,
                    return_dict_in_generate=True, suppress_tokens=sorted(resolve(model).image_token_ids(model.config)))
+    # Which layers wrote through the kv-only path (the report counts calls, not layers): the controller calls the
+    # runtime module's `kv_only`, wrapped for the first run only.
+    wrote_kv_only: set[int] = set()
+
+    def recording_kv_only(layer: nn.Module, *args: Any) -> None:
+        wrote_kv_only.add(id(layer))
+        kv_only(layer, *args)
+
     try:
-        with adapter.skipping(policy) as report:
+        with patch.object(runtime, "kv_only", recording_kv_only), adapter.skipping(policy) as report:
             cached = model.generate(**inputs, **options)
+        whole = adapter.skipping(policy)
+        whole.kv_only_when_all_skip = False  # the skipped layers run and their output is discarded: real K/V
+        with whole:
+            through_layers = model.generate(**inputs, **options)
         with adapter.skipping(policy):
             reference = model.generate(**inputs, use_cache=False, **options)
-    except (AttributeError, TypeError, RuntimeError, ValueError) as error:  # e.g. a rotary_fn of another signature
-        raise AssertionError(f"skipping with the KV cache failed on {type(model).__name__}: {error}. The kv-only path "
-                             "runs each skipped layer's input norm, k/v projections, k-norm and rotary embedding: "
-                             "name them in the family's BackboneSpec (see docs/backbones.md)") from error
+    except (AttributeError, TypeError, RuntimeError, ValueError, KeyError) as error:  # e.g. a rotary_fn of another signature
+        raise AssertionError(f"skipping with the KV cache failed on {type(model).__name__}: {error!r}. The kv-only "
+                             "path runs each skipped layer's input norm, k/v projections, k-norm and rotary embedding "
+                             "(from the `position_embeddings` the decoder passes each layer): name them in the "
+                             "family's BackboneSpec (see docs/backbones.md)") from error
     finally:
         adapter.detach()
         model.train(was_training)
     if report.layer_calls["kv_only"] == 0:
         raise AssertionError(f"random skipping at rate {rate} wrote no K/V through the kv-only path on these inputs: "
                              "nothing was checked; give one row, more new tokens or a higher rate")
+    layers = resolve(model).get_layers(model)
+    _check_coverage(model, adapter.layout, [id(layer) in wrote_kv_only for layer in layers])
+    if torch.equal(cached.sequences, through_layers.sequences):
+        wrong = _differing_layers(cached.past_key_values, through_layers.past_key_values, kv_rtol)
+        if wrong:
+            raise AssertionError(f"the kv-only path caches other K/V than the layers themselves do ({'; '.join(wrong)})"
+                                 f". It ran {_kv_path(model)}; check these against the attention's forward "
+                                 "(BackboneSpec input_norm_attr, k_norm_attr, rotary_fn, uses_rotary)")
     difference = (torch.stack(cached.logits, 1) - torch.stack(reference.logits, 1)).abs().max().item()
-    if not torch.equal(cached.sequences, reference.sequences) or not difference <= atol:
+    if not (torch.equal(cached.sequences, reference.sequences) and torch.equal(cached.sequences,
+                                                                              through_layers.sequences)
+            and difference <= atol):
         raise AssertionError(f"skipping with the KV cache generates other logits than without it (max difference "
                              f"{difference:.3g}): the kv-only path writes wrong K/V for this family. It ran "
                              f"{_kv_path(model)}; check these against the attention's forward (BackboneSpec "
                              "input_norm_attr, k_norm_attr, rotary_fn, uses_rotary)")
     return difference
+
+
+def _differing_layers(cache: Any, reference: Any, rtol: float) -> list[str]:
+    """The layers whose cached keys or values differ from the reference's by more than `rtol` of their scale."""
+    wrong = []
+    for index, (layer, expected) in enumerate(zip(cache.layers, reference.layers)):
+        for name in ("keys", "values"):
+            got, want = getattr(layer, name, None), getattr(expected, name, None)
+            if got is None and want is None:  # a layer that caches nothing in either run
+                continue
+            if got is None or want is None or got.shape != want.shape:
+                wrong.append(f"layer {index} {name}: shape {tuple(getattr(got, 'shape', ()))} against "
+                             f"{tuple(getattr(want, 'shape', ()))}")
+                continue
+            scale = want.abs().max().clamp_min(torch.finfo(want.dtype).tiny)
+            relative = ((got - want).abs().max() / scale).item()
+            if not relative <= rtol:
+                wrong.append(f"layer {index} {name} off by {relative:.2g} of their scale")
+    return wrong
+
+
+def _check_coverage(model: nn.Module, layout: Any, wrote: list[bool]) -> None:
+    """Refuse a check that left a kind of attention layer (`layer_types`) out: one that may skip but never wrote
+    through the kv-only path, or one that never may skip in this model (its kv-only path is then never run here,
+    yet a deeper model of the family runs it)."""
+    layer_types = getattr(model.config.get_text_config(), "layer_types", None)
+    if not layer_types or len(set(layer_types)) < 2:
+        return
+    skippable = set(layout.layers_of_blocks(layout.skippable_blocks))
+    for kind in sorted(set(layer_types)):
+        indices = [i for i, t in enumerate(layer_types) if t == kind]
+        if not any(i in skippable for i in indices):
+            raise AssertionError(f"no {kind!r} layer (layers {indices}) may skip in this model (the first and last "
+                                 "blocks never do), so its kv-only path goes unchecked: build the test model with "
+                                 "more layers")
+        if not any(wrote[i] for i in indices):
+            raise AssertionError(f"no {kind!r} layer (layers {indices}) wrote through the kv-only path on these "
+                                 "inputs, so that kind went unchecked: give more new tokens or another seed")
 
 
 def _kv_path(model) -> str:
