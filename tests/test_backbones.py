@@ -257,6 +257,42 @@ def test_the_skip_check_compares_cached_keys_not_only_logits_and_covers_every_ki
         unregister_backbone("cohere2")
 
 
+def test_a_key_norm_over_the_whole_projection_skips_consistently_and_clamped_projections_are_refused():
+    # OLMoE normalises all heads' keys at once: the kv-only path normalised per head and failed on a shape. OLMo's
+    # clip_qkv clamps the projections, which the kv-only path does not: refused by name, not blamed on the spec.
+    from transformers import OlmoConfig, OlmoeConfig, OlmoeForCausalLM, OlmoForCausalLM
+
+    sizes = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, pad_token_id=0, eos_token_id=1, bos_token_id=2)
+    inputs = {"input_ids": torch.randint(3, 96, (1, 6), generator=torch.Generator().manual_seed(1)),
+              "attention_mask": torch.ones(1, 6, dtype=torch.long)}
+    torch.manual_seed(0)
+    olmoe = OlmoeForCausalLM(OlmoeConfig(**sizes, num_experts=4, num_experts_per_tok=2)).eval()
+    olmo = OlmoForCausalLM(OlmoConfig(**sizes, clip_qkv=0.05)).eval()
+    for family, model in (("olmoe", olmoe), ("olmo", olmo)):
+        register_backbone(family, BackboneSpec())
+    try:
+        assert resolve(olmoe).attention_parts(olmoe.model.layers[1]).k_norm_over_projection
+        assert check_skip_consistency(olmoe, inputs) <= 1e-4
+        with pytest.raises(AssertionError, match=r"clamps its projections \(clip_qkv 0.05\).*cannot skip blocks"):
+            check_skip_consistency(olmo, inputs)
+    finally:
+        unregister_backbone("olmoe")
+        unregister_backbone("olmo")
+
+
+def test_a_layer_called_without_position_embeddings_is_refused_by_name_when_it_skips():
+    # Remote-code models whose attention computes its own rotary: a bare KeyError('position_embeddings') before.
+    from vlm_retrofit.backbones import KVPathError
+    from vlm_retrofit.skipping.runtime import kv_only
+
+    model, _ = tiny_vlm("llama")
+    layer = resolve(model).get_layers(model)[1]
+    parts = resolve(model).attention_parts(layer)
+    with pytest.raises(KVPathError, match="without position_embeddings.*cannot skip blocks"):
+        kv_only(layer, parts, torch.zeros(1, 1, model.config.hidden_size), {"cache": object()})
+
+
 def test_a_key_norm_under_another_name_than_the_spec_says_is_refused_by_name():
     model, _ = tiny_vlm("qwen3_vl")  # its attention has `k_norm`
     spec = BackboneSpec(k_norm_attr="key_norm")

@@ -81,6 +81,11 @@ def image_positions(input_ids: Any, image_ids: Tensor) -> Tensor | None:
     return is_image if bool(is_image.any()) else None
 
 
+class KVPathError(TypeError):
+    """A layer the kv-only cache path of a skipped layer cannot run: a layout it does not take, or a part the spec
+    names wrongly. The message says which, and what to register instead where anything can be."""
+
+
 class AttentionParts(NamedTuple):
     """The pieces of one decoder layer that the kv-only cache path runs for a skipped token."""
 
@@ -90,6 +95,8 @@ class AttentionParts(NamedTuple):
     v_proj: nn.Module
     k_norm: nn.Module | None
     rotary_fn: Callable
+    k_norm_over_projection: bool = False
+    """Whether the key norm normalises the whole key projection (OLMoE) rather than each head (Qwen3)."""
 
 
 @dataclass(frozen=True)
@@ -161,7 +168,7 @@ class BackboneSpec:
         if k_norm is None and self.k_norm_attr:
             other = next((n for n in KEY_NORM_NAMES if isinstance(getattr(attention, n, None), nn.Module)), None)
             if other:
-                raise TypeError(f"{type(attention).__name__} has {other!r}, which looks like a per-head key norm, "
+                raise KVPathError(f"{type(attention).__name__} has {other!r}, which looks like a per-head key norm, "
                                 f"and no {self.k_norm_attr!r}, the one the spec names: a skipped layer would write "
                                 f"unnormalised keys. Register the family with BackboneSpec(k_norm_attr={other!r}), "
                                 "or k_norm_attr=None if it is not one the keys pass through")
@@ -172,25 +179,38 @@ class BackboneSpec:
         partial = _partial_rotary_factor(getattr(attention, "config", None))
         if rotary_fn is None and partial < 1:
             # The modeling module's apply_rotary_pos_emb rotates whole heads; its attention splits them first.
-            raise TypeError(f"{type(attention).__name__} rotates a part of each key (partial_rotary_factor {partial}), "
+            raise KVPathError(f"{type(attention).__name__} rotates a part of each key (partial_rotary_factor {partial}), "
                             "and a skipped layer writes its K/V through its module's apply_rotary_pos_emb, which "
                             "rotates whole keys: register the family with BackboneSpec(rotary_fn=...) that rotates "
                             "that part only")
         if rotary_fn is None:
             rotary_fn = getattr(sys.modules[type(attention).__module__], "apply_rotary_pos_emb", None)
             if rotary_fn is None:
-                raise TypeError(
+                raise KVPathError(
                     f"{type(attention).__name__} has no module-level apply_rotary_pos_emb; "
                     "register its backbone with BackboneSpec(rotary_fn=...)"
                 )
+        clip = getattr(getattr(attention, "config", None), "clip_qkv", None)
+        if clip is not None:
+            raise KVPathError(f"{type(attention).__name__} clamps its projections (clip_qkv {clip}), which a skipped "
+                            "layer's kv-only cache path does not: this family cannot skip blocks with that setting")
+        k_proj = _kv_part(attention, self.k_proj_attr, "k_proj_attr", "the key projection")
         return AttentionParts(
             input_norm=_kv_part(layer, self.input_norm_attr, "input_norm_attr", "the norm in front of attention"),
             attention=attention,
-            k_proj=_kv_part(attention, self.k_proj_attr, "k_proj_attr", "the key projection"),
+            k_proj=k_proj,
             v_proj=_kv_part(attention, self.v_proj_attr, "v_proj_attr", "the value projection"),
             k_norm=k_norm,
             rotary_fn=rotary_fn,
+            k_norm_over_projection=_norms_whole_projection(k_norm, k_proj, attention),
         )
+
+
+def _norms_whole_projection(k_norm: nn.Module | None, k_proj: nn.Module, attention: nn.Module) -> bool:
+    """Whether `k_norm` takes the whole key projection (its gain as wide as `k_proj`'s output, not a head)."""
+    width = getattr(getattr(k_norm, "weight", None), "shape", None)
+    head_dim = getattr(attention, "head_dim", None)
+    return bool(width) and width[-1] != head_dim and width[-1] == getattr(k_proj, "out_features", None)
 
 
 def _partial_rotary_factor(config: Any) -> float:
@@ -223,10 +243,10 @@ def _kv_part(owner: nn.Module, attribute: str, spec_field: str, what: str) -> nn
         return part
     fused = next((name for name in ("qkv_proj", "query_key_value", "c_attn", "Wqkv") if hasattr(owner, name)), None)
     if fused:
-        raise TypeError(f"{type(owner).__name__} projects queries, keys and values together ({fused!r}); the kv-only "
+        raise KVPathError(f"{type(owner).__name__} projects queries, keys and values together ({fused!r}); the kv-only "
                         "cache path of a skipped layer needs separate key and value projections, so this family "
                         "cannot skip blocks")
-    raise TypeError(f"{type(owner).__name__} has no {attribute!r} ({what}), which a skipped layer runs to write its "
+    raise KVPathError(f"{type(owner).__name__} has no {attribute!r} ({what}), which a skipped layer runs to write its "
                     f"K/V into the cache: register the family with BackboneSpec({spec_field}=...) naming it. "
                     "Layouts without a separate norm, key and value projection (post-norm layers, fused qkv "
                     "projections) are not supported")

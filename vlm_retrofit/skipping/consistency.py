@@ -8,7 +8,7 @@ from unittest.mock import patch
 import torch
 from torch import nn
 
-from ..backbones import resolve
+from ..backbones import KVPathError, resolve
 from ..routing import RouterConfig, attach_routers, get_adapter
 from . import runtime
 from .policies import RandomPolicy
@@ -60,11 +60,12 @@ def check_skip_consistency(model: nn.Module, inputs: Mapping[str, Any], config: 
             through_layers = model.generate(**inputs, **options)
         with adapter.skipping(policy):
             reference = model.generate(**inputs, use_cache=False, **options)
+    except KVPathError as error:  # refused by name: the message says what is wrong and what, if anything, to do
+        raise AssertionError(f"skipping with the KV cache failed on {type(model).__name__}: {error}") from error
     except (AttributeError, TypeError, RuntimeError, ValueError, KeyError) as error:  # e.g. a rotary_fn of another signature
         raise AssertionError(f"skipping with the KV cache failed on {type(model).__name__}: {error!r}. The kv-only "
-                             "path runs each skipped layer's input norm, k/v projections, k-norm and rotary embedding "
-                             "(from the `position_embeddings` the decoder passes each layer): name them in the "
-                             "family's BackboneSpec (see docs/backbones.md)") from error
+                             "path runs each skipped layer's input norm, k/v projections, k-norm and rotary embedding: "
+                             "name them in the family's BackboneSpec (see docs/backbones.md)") from error
     finally:
         adapter.detach()
         model.train(was_training)

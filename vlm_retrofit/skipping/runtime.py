@@ -9,7 +9,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor, nn
 
-from ..backbones import image_positions, layer_hidden_states, unwrap_model
+from ..backbones import KVPathError, image_positions, layer_hidden_states, unwrap_model
 from ..errors import InputError
 from ..routing.adapter import CACHELESS_LAYERS, RouterAdapter
 from .accounting import LayerCost, SkipReport
@@ -25,11 +25,18 @@ def kv_only(layer: nn.Module, parts: Any, hidden: Tensor, kwargs: dict) -> None:
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
     if cache is None:
         return
+    if kwargs.get("position_embeddings") is None:
+        raise KVPathError(f"{type(layer).__name__} was called without position_embeddings (its attention computes "
+                        "rotary embeddings itself, as some remote-code models do): a skipped layer's kv-only cache "
+                        "path rotates keys with the decoder's (cos, sin), so this family cannot skip blocks")
     attention = parts.attention
     normed = parts.input_norm(hidden)
     shape = (*hidden.shape[:-1], -1, attention.head_dim)
-    keys = parts.k_proj(normed).view(shape)
-    if parts.k_norm is not None:
+    keys = parts.k_proj(normed)
+    if parts.k_norm is not None and parts.k_norm_over_projection:
+        keys = parts.k_norm(keys)  # OLMoE: one norm over all heads' keys, before they are split
+    keys = keys.view(shape)
+    if parts.k_norm is not None and not parts.k_norm_over_projection:
         keys = parts.k_norm(keys)  # per-head norm over head_dim: same result before or after the transpose
     keys = keys.transpose(1, 2)
     values = parts.v_proj(normed).view(shape).transpose(1, 2)
