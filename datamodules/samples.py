@@ -44,6 +44,10 @@ def to_rgb(img: Image.Image) -> Image.Image:
     return img.convert("RGB")
 
 
+MAX_IMAGE_PIXELS = 40_000_000
+"""Images with more pixels are skipped (`huge_image`), by the datamodule's default and by the shard builder."""
+
+
 def decode_image(data: bytes, max_image_pixels: int, max_image_side: int) -> Image.Image:
     """Bytes -> RGB PIL image, or `Skip("corrupt_image" | "huge_image")`."""
     try:

@@ -20,6 +20,8 @@ from PIL import Image
 
 from vlm_retrofit.errors import InputError
 
+from .samples import MAX_IMAGE_PIXELS
+
 MANIFEST = "manifest.json"
 FORMAT = "vlm_retrofit.shards/1"
 IMAGE_EXTS = {".jpg": "jpg", ".jpeg": "jpg", ".png": "png", ".webp": "webp", ".bmp": "bmp", ".gif": "gif",
@@ -74,16 +76,22 @@ def sanitize_key(name: str) -> str:
 
 
 def image_file(data: bytes) -> tuple[str, bytes]:
-    """Validate image bytes; return (extension, bytes), re-encoding formats other than jpg/png/webp as PNG."""
+    """Validate image bytes; return (extension, bytes), re-encoding formats other than jpg/png/webp as PNG. An image
+    that training would always skip (more than `MAX_IMAGE_PIXELS` pixels) is left out here, listed as `huge_image`."""
     try:
         with Image.open(io.BytesIO(data)) as img:
             fmt = img.format
+            if img.width * img.height > MAX_IMAGE_PIXELS:
+                raise SkipInput("huge_image", f"{img.width}x{img.height} > {MAX_IMAGE_PIXELS} pixels, which the "
+                                "datamodule skips by default (max_image_pixels): downscale it")
             img.load()
             if fmt in _STORED:
                 return _STORED[fmt], data
             out = io.BytesIO()
             img.save(out, format="PNG")
             return "png", out.getvalue()
+    except SkipInput:
+        raise
     except Exception as exn:  # noqa: BLE001 - anything PIL raises means unusable
         raise SkipInput("corrupt_image", f"{type(exn).__name__}: {exn}") from None
 
@@ -115,9 +123,18 @@ def _folder_records(root: Path) -> tuple[list[Record], list[dict]]:
             group.setdefault("dup", path)
         group[kind] = path
     records, skipped = [], []
+    # Names that differ only in characters a key cannot hold ("photo.1", "photo_1") would share one key, and the
+    # reader would merge or drop their samples: all of them are left out, listed.
+    stems_of_key: dict[str, list[str]] = {}
+    for stem in groups:
+        stems_of_key.setdefault(sanitize_key(stem), []).append(stem)
     for stem, group in sorted(groups.items()):
         src = str(group.get("image") or group.get("txt") or group.get("json"))
-        if "dup" in group:
+        clashing = stems_of_key[sanitize_key(stem)]
+        if len(clashing) > 1:
+            skipped.append({"source": src, "reason": "ambiguous",
+                            "detail": f"names {sorted(clashing)} all become key {sanitize_key(stem)!r}: rename them"})
+        elif "dup" in group:
             skipped.append({"source": src, "reason": "ambiguous", "detail": "several files with this name"})
         elif "image" not in group and "txt" in group:
             skipped.append({"source": src, "reason": "missing_image", "detail": "caption without an image"})
@@ -165,7 +182,12 @@ def _json_text(obj) -> dict[str, bytes]:
 
 def _jsonl_records(path: Path) -> tuple[list[Record], list[dict]]:
     records, skipped, seen = [], [], set()
-    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as error:
+        raise InputError(f"shard builder input {path} is not a UTF-8 text file ({error.reason} at byte {error.start}): "
+                         "give a folder of images with same-name .txt captions, or a JSONL file of records") from None
+    for lineno, line in enumerate(lines, 1):
         if not line.strip():
             continue
         src = f"{path}:{lineno}"

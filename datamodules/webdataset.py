@@ -19,6 +19,7 @@ from vlm_retrofit.errors import InputError
 
 from .formatting import ChatFormatter, load_processor
 from .quality import DataQualityCallback
+from .samples import MAX_IMAGE_PIXELS
 from .shards import MANIFEST
 from .stream import (
     EpochLoader,
@@ -145,7 +146,7 @@ class WebDatasetDataModule(pl.LightningDataModule):
         train_samples_per_epoch: int = 1024,
         shuffle_buffer: int = 256,
         group_by_modality: bool = False,
-        max_image_pixels: int = 40_000_000,
+        max_image_pixels: int = MAX_IMAGE_PIXELS,
         max_image_side: int = 2048,
         max_bad_fraction: float = 0.05,
         min_samples_for_check: int = 200,
