@@ -146,7 +146,8 @@ class DataQualityCallback(pl.Callback):
     Logged at every train epoch end (running totals since the start of the run, summed over ranks):
     `data/skipped/<reason>` for every reason in `REASONS`, `data/samples` (usable samples),
     `data/bad_fraction` and, for weighted sources (`train_weights`), `data/source_share/<i>`: the fraction of
-    rank 0's samples that came from source i. Raises `DataQualityError` (naming the worst shards) when the
+    rank 0's samples that came from source i. Each validation and test pass logs its own `val/data/skipped/<reason>`
+    and `val/data/samples` (`test/...`), and a pass that left samples out (predict too) warns with the counts. Raises `DataQualityError` (naming the worst shards) when the
     bad fraction exceeds `max_bad_fraction` after at least `min_samples` samples; also checked after every
     `check_every_n_batches` batches so a broken data set stops a run early. It removes `skipped_shards` from the
     batch (not a model input).
@@ -158,6 +159,8 @@ class DataQualityCallback(pl.Callback):
         self.min_samples = min_samples
         self.check_every_n_batches = check_every_n_batches
         self.tracker = DataQualityTracker()
+        self.eval_tracker = DataQualityTracker()
+        """The current validation / test / predict pass's counts (not saved: each pass counts its own)."""
         self._restored_run_totals = False
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
@@ -178,14 +181,56 @@ class DataQualityCallback(pl.Callback):
         pl_module.log_dict(metrics, on_step=False, on_epoch=True, sync_dist=False, rank_zero_only=True)
         self._check(trainer, pl_module)
 
-    def _reduced(self, trainer, pl_module) -> tuple[dict[str, int], int, dict[str, int]]:
-        totals = self.tracker.totals()
+    # -- evaluation: validation, test and predict batches carry their skips too -----------------------------
+    def on_validation_epoch_start(self, trainer, pl_module) -> None:
+        self.eval_tracker = DataQualityTracker()
+
+    on_test_epoch_start = on_predict_epoch_start = on_validation_epoch_start
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0) -> None:
+        if isinstance(batch, dict):
+            self.eval_tracker.update(batch)
+            batch.pop("skipped_shards", None)
+
+    on_test_batch_start = on_predict_batch_start = on_validation_batch_start
+
+    def on_validation_epoch_end(self, trainer, pl_module) -> None:
+        if not trainer.sanity_checking:
+            self._report_evaluation(trainer, pl_module, "val")
+
+    def on_test_epoch_end(self, trainer, pl_module) -> None:
+        self._report_evaluation(trainer, pl_module, "test")
+
+    def on_predict_epoch_end(self, trainer, pl_module) -> None:
+        self._report_evaluation(trainer, pl_module, "predict", log=False)  # predict logs no metrics
+
+    def _report_evaluation(self, trainer, pl_module, stage: str, log: bool = True) -> None:
+        """Log `<stage>/data/skipped/<reason>` and `<stage>/data/samples` for this pass (summed over ranks), and warn
+        where samples were left out: the pass's metrics then cover the others only."""
+        totals, good, shards = self._reduced(trainer, pl_module, self.eval_tracker)
+        if log:
+            metrics = {f"{stage}/data/skipped/{r}": float(n) for r, n in totals.items()}
+            metrics[f"{stage}/data/samples"] = float(good)
+            pl_module.log_dict(metrics, on_step=False, on_epoch=True, sync_dist=False, rank_zero_only=True)
+        bad = sum(totals.values())
+        if bad:
+            from lightning.pytorch.utilities import rank_zero_warn
+
+            by_reason = ", ".join(f"{r}={n}" for r, n in sorted(totals.items()) if n)
+            worst = "; ".join(f"{s} ({n})" for s, n in sorted(shards.items(), key=lambda kv: (-kv[1], kv[0]))[:3])
+            rank_zero_warn(f"{stage}: {bad} of {bad + good} samples were unusable and left out of this pass's "
+                           f"metrics [{by_reason}]; worst shards (this rank): {worst or 'unknown'}")
+
+    def _reduced(self, trainer, pl_module, tracker: DataQualityTracker | None = None
+                 ) -> tuple[dict[str, int], int, dict[str, int]]:
+        tracker = tracker or self.tracker
+        totals = tracker.totals()
         names = list(totals)
-        values = torch.tensor([*totals.values(), self.tracker.num_good], dtype=torch.float64)
+        values = torch.tensor([*totals.values(), tracker.num_good], dtype=torch.float64)
         if trainer.world_size > 1:  # same decision on every rank: no rank stops alone
             values = trainer.strategy.reduce(values.to(pl_module.device), reduce_op="sum").cpu()
         vals = [int(v) for v in values.tolist()]
-        return dict(zip(names, vals[:-1])), vals[-1], dict(self.tracker.shards)
+        return dict(zip(names, vals[:-1])), vals[-1], dict(tracker.shards)
 
     def _check(self, trainer, pl_module) -> None:
         totals, good, shards = self._reduced(trainer, pl_module)

@@ -564,3 +564,24 @@ def test_a_shard_cut_between_samples_is_counted_as_truncated(tmp_path, where):
         counter = SkipCounter()
         assert len(list(read_shards([{"url": str(tmp_path / name)}], counter))) == samples
         assert counter.take()[0] == skipped, name
+
+
+def test_validation_counts_the_samples_it_leaves_out_and_says_so(bad_shards, tmp_path):
+    # Before: only training batches' skips were summed; a validation pass over mostly corrupt shards reported its
+    # KL on the usable rest with no count anywhere.
+    import csv
+
+    from vlm_retrofit.cli import main
+
+    urls, good, expected = bad_shards
+    root = tmp_path / "run"
+    with pytest.warns(UserWarning, match=rf"val: {sum(expected.values())} of {sum(expected.values()) + len(good)} "
+                                         r"samples were unusable and left out of this pass's metrics \[bad_json=1, "):
+        assert main(["validate", "--data.init_args.train_shards", json.dumps(urls), "--data.init_args.val_shards",
+                     json.dumps(urls), "--data.init_args.max_image_pixels", "20000", "--data.init_args.num_workers",
+                     "0", "--data.init_args.batch_size", "3", "--trainer.enable_progress_bar", "false",
+                     "--trainer.limit_val_batches", "1.0", "--trainer.default_root_dir", str(root)]) == 0
+    with open(root / "logs" / "version_0" / "metrics.csv") as handle:
+        row = next(csv.DictReader(handle))
+    assert {r: int(float(row[f"val/data/skipped/{r}"])) for r in expected} == dict(expected)
+    assert int(float(row["val/data/samples"])) == len(good)
