@@ -9,6 +9,8 @@ from typing import Any, Mapping
 import lightning.pytorch as pl
 import torch
 
+from vlm_retrofit.errors import InputError
+
 log = logging.getLogger("vlm_retrofit.datamodules")
 
 #: Every reason a sample can be skipped for (all are logged every epoch, zeros included).
@@ -25,8 +27,8 @@ REASONS: tuple[str, ...] = (
     "format_error",  # the processor rejected the sample
 )
 
-class DataQualityError(RuntimeError):
-    """Too large a fraction of the training samples was unusable."""
+class DataQualityError(InputError, RuntimeError):
+    """Too large a fraction of the training samples was unusable: refused as input (`fit refused: ...`, one line)."""
 
 
 class SkipCounter:

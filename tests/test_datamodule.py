@@ -585,3 +585,21 @@ def test_validation_counts_the_samples_it_leaves_out_and_says_so(bad_shards, tmp
         row = next(csv.DictReader(handle))
     assert {r: int(float(row[f"val/data/skipped/{r}"])) for r in expected} == dict(expected)
     assert int(float(row["val/data/samples"])) == len(good)
+
+
+def test_a_data_refusal_raised_in_a_dataloader_worker_is_said_in_one_line():
+    # Before: DataQualityError was no InputError (a traceback), and torch's re-raise from a worker carried the
+    # worker's whole traceback in its message.
+    from torch._utils import ExceptionWrapper
+
+    from vlm_retrofit.cli import input_error, refusal_text
+
+    try:
+        raise DataQualityError("the first 1000 samples read were all unusable")
+    except DataQualityError:
+        wrapped = ExceptionWrapper(where="in DataLoader worker process 0")
+    with pytest.raises(DataQualityError) as caught:
+        wrapped.reraise()
+    assert "Original Traceback" in str(caught.value)
+    assert refusal_text(input_error(caught.value)) == "the first 1000 samples read were all unusable"
+    assert isinstance(caught.value, RuntimeError)  # as before, for code that catches it so

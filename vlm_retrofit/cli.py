@@ -202,6 +202,17 @@ def input_error(error: BaseException) -> InputError | None:
     return None
 
 
+def refusal_text(refusal: BaseException) -> str:
+    """A refusal's message; for one raised in a DataLoader worker, the original message alone (torch re-raises it in
+    the main process as "Caught X in DataLoader worker process N. Original Traceback ... X: message")."""
+    text = str(refusal)
+    if "Original Traceback" not in text:
+        return text
+    last = text.rstrip().splitlines()[-1]
+    name = f"{type(refusal).__name__}: "
+    return last.split(name, 1)[1] if name in last else last
+
+
 def read_hyperparameters(ckpt_path: str) -> dict[str, dict[str, Any]]:
     """The init arguments a Lightning checkpoint recorded, as config sections: "model" (the module's) and "data"
     (the datamodule's class and arguments, less those linked from the model's); a section it did not record is
@@ -400,7 +411,7 @@ def main(args: Sequence[str] | None = None) -> int:
             refusal = input_error(error)
             if refusal is None:
                 raise
-            print(f"{command} refused: {refusal}", file=sys.stderr)
+            print(f"{command} refused: {refusal_text(refusal)}", file=sys.stderr)
             return 1
         trainer = getattr(cli, "trainer", None)
         if any(getattr(callback, "interrupted", False) for callback in getattr(trainer, "callbacks", [])):
