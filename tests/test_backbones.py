@@ -417,3 +417,26 @@ def test_a_failed_skip_check_describes_what_the_kv_path_ran_per_layer_even_besid
     finally:
         unregister_backbone("toy_llama")
     assert described.startswith("layer 0: no kv-only path; layer 1: LlamaRMSNorm, no key norm, apply_rotary_pos_emb")
+
+
+def test_a_spec_with_values_where_functions_belong_or_layers_out_of_range_is_refused_where_it_is_made():
+    # Before: "'tuple' object is not callable" deep inside routing, a config class taken as a key (then every
+    # "unsupported family" message crashed sorting the keys), and out-of-range never-skip layers dropped silently.
+    with pytest.raises(TypeError, match=r"never_skip_layers=\.\.\.\) takes a function of the config, got tuple "
+                                        r"\(0, 1\): e.g. never_skip_layers=lambda config: \(0, 1\)"):
+        BackboneSpec(never_skip_layers=(0, 1))
+    with pytest.raises(TypeError, match=r"decoder=\.\.\.\) takes a function of the model"):
+        BackboneSpec(decoder="model")
+    with pytest.raises(TypeError, match=r"layers_attr=\.\.\.\) takes an attribute name"):
+        BackboneSpec(layers_attr=None)
+    with pytest.raises(TypeError, match="model_type, a str .*'toy_llama'"):
+        register_backbone(ToyConfig, BackboneSpec())
+    model = ToyForCausalLM(ToyConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=5,
+                                     num_attention_heads=4, num_key_value_heads=2)).eval()
+    register_backbone("toy_llama", BackboneSpec(never_skip_layers=lambda config: [9]))
+    try:
+        with pytest.raises(ValueError, match=r"never_skip_layers names layer\(s\) \[9\], but this backbone has 5"):
+            attach_routers(model, RouterConfig())
+        assert get_adapter(model) is None
+    finally:
+        unregister_backbone("toy_llama")

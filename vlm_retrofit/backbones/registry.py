@@ -99,6 +99,10 @@ class AttentionParts(NamedTuple):
     """Whether the key norm normalises the whole key projection (OLMoE) rather than each head (Qwen3)."""
 
 
+_OF_CONFIG = ("text_config", "never_skip_layers", "image_token_ids")
+"""BackboneSpec fields that are functions of the model's config."""
+
+
 @dataclass(frozen=True)
 class BackboneSpec:
     """Where routing and skipping find things in one model family.
@@ -141,6 +145,25 @@ class BackboneSpec:
     mlp_output_attr: str | None = "mlp.down_proj"
     """Dotted path, within a decoder layer, of the linear layer whose output is added to the stream unchanged as
     the MLP update (where a linear replacement of removed layers is folded); None where a norm follows it."""
+
+    def __post_init__(self) -> None:
+        # A value where a function belongs ("model", (0, 1), {90}) failed only later, as "'tuple' object is not
+        # callable" from deep inside routing.
+        for name in ("decoder", "lm_head", "uses_rotary", "text_config", "never_skip_layers", "image_token_ids"):
+            value = getattr(self, name)
+            if not callable(value):
+                of = "the config" if name in _OF_CONFIG else "the model or module"
+                example = f": e.g. {name}=lambda config: {value!r}" if name in _OF_CONFIG else ""
+                raise TypeError(f"BackboneSpec({name}=...) takes a function of {of}, got {type(value).__name__} "
+                                f"{value!r}{example}")
+        if self.rotary_fn is not None and not callable(self.rotary_fn):
+            raise TypeError(f"BackboneSpec(rotary_fn=...) takes apply_rotary_pos_emb(q, k, cos, sin) or None, got "
+                            f"{type(self.rotary_fn).__name__}")
+        for name in ("layers_attr", "final_norm_attr", "embed_tokens_attr", "input_norm_attr", "attention_attr",
+                     "k_proj_attr", "v_proj_attr", "k_norm_attr", "mlp_output_attr"):
+            value = getattr(self, name)
+            if not (isinstance(value, str) or (value is None and name in ("k_norm_attr", "mlp_output_attr"))):
+                raise TypeError(f"BackboneSpec({name}=...) takes an attribute name (a str), got {type(value).__name__}")
 
     # -- accessors -------------------------------------------------------------------------------------
     def get_decoder(self, model: nn.Module) -> nn.Module:
@@ -259,6 +282,9 @@ def register_backbone(model_type: str, spec: BackboneSpec, *, overwrite: bool = 
     """Make a model family (keyed by its HF `config.model_type`) usable with routers and skipping."""
     if not isinstance(spec, BackboneSpec):
         raise TypeError(f"register_backbone({model_type!r}, ...) needs a BackboneSpec, got {type(spec).__name__}")
+    if not isinstance(model_type, str):
+        raise TypeError(f"register_backbone keys families by their config's model_type, a str (e.g. "
+                        f"{getattr(model_type, 'model_type', 'my_vlm')!r}), got {type(model_type).__name__}")
     if model_type in _REGISTRY and not overwrite:
         raise ValueError(f"backbone {model_type!r} is already registered; pass overwrite=True to replace it")
     _REGISTRY[model_type] = spec

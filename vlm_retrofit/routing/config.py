@@ -84,7 +84,11 @@ class RouterConfig:
             return set(blocks)
 
         never = check("never_skip_blocks", self.never_skip_blocks) if self.never_skip_blocks is not None else {0, num_blocks - 1}
-        never |= {block_of_layer[layer] for layer in backbone_never_skip_layers if 0 <= layer < num_layers}
+        outside = [layer for layer in backbone_never_skip_layers if not 0 <= layer < num_layers]
+        if outside:  # dropped silently before: the layer meant to run always could then be skipped
+            raise InputError(f"the backbone spec's never_skip_layers names layer(s) {outside}, but this backbone has "
+                             f"{num_layers} layers (0..{num_layers - 1}): fix the family's BackboneSpec")
+        never |= {block_of_layer[layer] for layer in backbone_never_skip_layers}
         candidates = check("skippable_blocks", self.skippable_blocks) if self.skippable_blocks is not None else set(range(num_blocks))
         return BlockLayout(
             num_layers=num_layers,
