@@ -88,8 +88,23 @@ def test_nothing_removed_fits_nothing():
 
 def test_gemma3_refused_before_any_work():
     model, processor = tiny_vlm("gemma3", num_hidden_layers=7)
-    with pytest.raises(ValueError, match="normalises its MLP output"):
+    with pytest.raises(ValueError, match="normalise their MLP output"):
         fit_replacements(model, resolve(model), REMOVED, [])
+
+
+def test_a_layer_with_a_norm_after_its_mlp_is_refused_whatever_its_family_spec_says():
+    # PaliGemma 2 shares model_type "paligemma" with PaliGemma 1 but has Gemma 2 text, whose MLP output passes
+    # post_feedforward_layernorm: the replacement was fitted and folded silently into the wrong place.
+    from torch import nn
+
+    from vlm_retrofit.replacement import output_projection
+
+    model, _ = tiny_vlm("paligemma")
+    spec, layer = resolve(model), resolve(model).get_layers(model)[1]
+    assert output_projection(spec, layer) is layer.mlp.down_proj
+    layer.post_feedforward_layernorm = nn.LayerNorm(model.config.text_config.hidden_size)
+    with pytest.raises(ValueError, match=r"normalise their MLP output .*\(post_feedforward_layernorm\)"):
+        output_projection(spec, layer)
 
 
 def test_replacement_for_other_layers_refused():
@@ -195,5 +210,5 @@ def test_module_refuses_a_replacement_it_cannot_keep():
         _module(min_removed_blocks=1)
     with pytest.raises(ValueError, match="train_routers: false"):
         _module(train_routers=True)
-    with pytest.raises(ValueError, match="normalises its MLP output"):
+    with pytest.raises(ValueError, match="normalise their MLP output"):
         _module(backbone="tiny:gemma3")

@@ -50,14 +50,24 @@ def replaced_layers(layers: Iterable[int]) -> list[int]:
 
 def output_projection(spec: BackboneSpec, layer: nn.Module) -> nn.Module:
     """The linear layer whose output a decoder layer adds to the stream as its MLP update (`mlp.down_proj`)."""
-    if spec.mlp_output_attr is None:
-        raise InputError("this backbone family normalises its MLP output before adding it to the stream "
-                         "(e.g. Gemma's post_feedforward_layernorm), so a linear replacement cannot be folded into "
-                         "its weights; prune without replacement")
+    post_norm = next((name for name in POST_MLP_NORMS if isinstance(getattr(layer, name, None), nn.Module)), None)
+    if spec.mlp_output_attr is None or post_norm:
+        # A family may hold both layouts under one model_type (PaliGemma 1 and 2): the layer decides, not the spec.
+        raise InputError(f"this backbone's layers normalise their MLP output before adding it to the stream "
+                         f"({post_norm or 'the family spec says so: mlp_output_attr None'}), so a linear replacement "
+                         "cannot be folded into its weights; prune without replacement")
     module = layer
     for name in spec.mlp_output_attr.split("."):
-        module = getattr(module, name)
+        module = getattr(module, name, None)
+        if module is None:
+            raise InputError(f"{type(layer).__name__} has no {spec.mlp_output_attr!r} (the family spec's "
+                             "mlp_output_attr: the linear layer whose output is the MLP update), where a linear "
+                             "replacement would be folded; prune without replacement, or name it in the spec")
     return module
+
+
+POST_MLP_NORMS = ("post_feedforward_layernorm", "post_mlp_layernorm")
+"""Names of a norm that follows a layer's MLP (Gemma 2 / 3, and PaliGemma 2's Gemma 2 text)."""
 
 
 def _first(output: Any) -> Tensor:
