@@ -326,7 +326,11 @@ def build_shards(
 def main(argv: list[str] | None = None) -> int:
     """`python -m vlm_retrofit shards --input ... --output ...`; returns the exit status."""
     p = argparse.ArgumentParser(prog="python -m vlm_retrofit shards", description=__doc__.split("\n")[0])
-    p.add_argument("--input", help="folder of images + same-name .txt captions, or a JSONL file")
+    p.add_argument("--input", help="a folder of images with same-name .txt captions (or .json conversations: "
+                                   '{"messages": [...]}), or a JSONL file, one record per line: {"image": "a.jpg", '
+                                   '"text": "caption"} ("caption" also), or {"messages": [...]} / '
+                                   '{"conversations": [...]} with an optional "image" (text-only samples); '
+                                   'optional "key" or "id"; image paths relative to the file')
     p.add_argument("--output", required=True, help="directory for the shards and manifest.json")
     p.add_argument("--maxcount", type=int, default=1000, help="samples per shard (default 1000)")
     p.add_argument("--val-fraction", type=float, default=0.0, help="fraction held out as val-*.tar (default 0)")

@@ -54,7 +54,10 @@ def resolve_shards(spec: str | list[str], what: str = "shards") -> list[str]:
         if os.path.isdir(s):
             found = sorted(glob.glob(os.path.join(s, "*.tar")))
             if not found:
-                raise ShardError(f"{what}: folder {s!r} contains no .tar shards")
+                raw = "; it holds files, not shards: build shards from a folder of images with same-name .txt " \
+                      "captions (or a JSONL file) with `python -m vlm_retrofit shards --input <it> --output <dir>`" \
+                    if os.listdir(s) else ""
+                raise ShardError(f"{what}: folder {s!r} contains no .tar shards{raw}")
             urls += found
             continue
         for url in expand_urls(s):

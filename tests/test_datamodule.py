@@ -603,3 +603,15 @@ def test_a_data_refusal_raised_in_a_dataloader_worker_is_said_in_one_line():
     assert "Original Traceback" in str(caught.value)
     assert refusal_text(input_error(caught.value)) == "the first 1000 samples read were all unusable"
     assert isinstance(caught.value, RuntimeError)  # as before, for code that catches it so
+
+
+def test_a_folder_of_raw_images_given_as_shards_points_to_the_shard_builder(tmp_path):
+    from vlm_retrofit.datamodules.webdataset import resolve_shards
+
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ShardError, match=r"contains no \.tar shards$"):
+        resolve_shards(str(tmp_path / "empty"), "train_shards")
+    (tmp_path / "images").mkdir()
+    (tmp_path / "images" / "a.jpg").write_bytes(b"")
+    with pytest.raises(ShardError, match=r"holds files, not shards.*python -m vlm_retrofit shards --input"):
+        resolve_shards(str(tmp_path / "images"), "train_shards")
