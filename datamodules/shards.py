@@ -115,11 +115,11 @@ def _folder_records(root: Path) -> tuple[list[Record], list[dict]]:
         rel = path.relative_to(root)
         stem = str(rel.with_suffix("")).replace(os.sep, "/")
         suffix = path.suffix.lower()
-        kind = "image" if suffix in IMAGE_EXTS else {".txt": "txt", ".json": "json"}.get(suffix)
-        if kind is None:
-            continue
+        kind = "image" if suffix in IMAGE_EXTS else {".txt": "txt", ".json": "json"}.get(suffix, "other")
+        if kind == "other" and path.name.startswith("."):
+            continue  # hidden files (.DS_Store, ...) are no samples
         group = groups.setdefault(stem, {})
-        if kind in group:
+        if kind in group and kind != "other":
             group.setdefault("dup", path)
         group[kind] = path
     records, skipped = [], []
@@ -129,13 +129,19 @@ def _folder_records(root: Path) -> tuple[list[Record], list[dict]]:
     for stem in groups:
         stems_of_key.setdefault(sanitize_key(stem), []).append(stem)
     for stem, group in sorted(groups.items()):
-        src = str(group.get("image") or group.get("txt") or group.get("json"))
+        src = str(group.get("image") or group.get("txt") or group.get("json") or group.get("other"))
         clashing = stems_of_key[sanitize_key(stem)]
         if len(clashing) > 1:
             skipped.append({"source": src, "reason": "ambiguous",
                             "detail": f"names {sorted(clashing)} all become key {sanitize_key(stem)!r}: rename them"})
         elif "dup" in group:
             skipped.append({"source": src, "reason": "ambiguous", "detail": "several files with this name"})
+        elif "other" in group and "image" not in group:
+            # Not silently dropped: a caption beside an image of a format PIL is not asked to read (.heic) was
+            # otherwise reported as a caption without an image.
+            skipped.append({"source": str(group["other"]), "reason": "unsupported_file",
+                            "detail": f"not an image of {'/'.join(sorted(set(IMAGE_EXTS.values())))}, a .txt caption "
+                                      "or a .json conversation"})
         elif "image" not in group and "txt" in group:
             skipped.append({"source": src, "reason": "missing_image", "detail": "caption without an image"})
         elif "txt" not in group and "json" not in group:

@@ -36,7 +36,10 @@ def _folder(tmp_path):
     (src / "empty.txt").write_text("   \n")
     (src / "nocap.png").write_bytes(_jpg((9, 9, 9)))
     (src / "orphan.txt").write_text("caption without image")
-    (src / "notes.md").write_text("ignored")
+    (src / "notes.md").write_text("listed, not packed")
+    (src / "phone.heic").write_bytes(b"an image format PIL does not read here")
+    (src / "phone.txt").write_text("a caption beside it")
+    (src / ".DS_Store").write_bytes(b"hidden: no sample")
     return src, good
 
 
@@ -60,7 +63,7 @@ def test_folder_round_trip_and_manifest(tmp_path):
     assert all("." not in s["__key__"] for s in samples)
     reasons = {s["source"].rsplit("/", 1)[-1]: s["reason"] for s in manifest["skipped"]}
     assert reasons == {"broken.jpg": "corrupt_image", "empty.jpg": "empty_text", "nocap.png": "missing_text",
-                       "orphan.txt": "missing_image"}
+                       "orphan.txt": "missing_image", "notes.md": "unsupported_file", "phone.heic": "unsupported_file"}
 
 
 def test_tars_are_standard_and_deterministic(tmp_path):
