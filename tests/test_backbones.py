@@ -257,6 +257,26 @@ def test_the_skip_check_compares_cached_keys_not_only_logits_and_covers_every_ki
         unregister_backbone("cohere2")
 
 
+def test_a_hybrid_whose_convolution_layers_never_skip_passes_the_skip_check():
+    # The coverage rule refused LFM2 registered as docs/backbones.md says (its conv layers in never_skip_layers):
+    # a kind kept from skipping by the spec needs no kv-only path.
+    from transformers import Lfm2Config, Lfm2ForCausalLM
+
+    config = Lfm2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
+                        num_attention_heads=4, num_key_value_heads=2, layer_types=["conv", "full_attention"] * 4,
+                        block_auto_adjust_ff_dim=False)
+    torch.manual_seed(0)
+    model = Lfm2ForCausalLM(config).eval()
+    register_backbone("lfm2", BackboneSpec(
+        input_norm_attr="operator_norm", final_norm_attr="embedding_norm", k_norm_attr="k_layernorm",
+        mlp_output_attr=None, never_skip_layers=lambda c: [i for i, t in enumerate(c.layer_types) if t == "conv"]))
+    inputs = {"input_ids": torch.tensor([[1, 5, 7, 9, 11, 13]]), "attention_mask": torch.ones(1, 6, dtype=torch.long)}
+    try:
+        assert check_skip_consistency(model, inputs, new_tokens=10) <= 1e-4
+    finally:
+        unregister_backbone("lfm2")
+
+
 def test_a_key_norm_over_the_whole_projection_skips_consistently_and_clamped_projections_are_refused():
     # OLMoE normalises all heads' keys at once: the kv-only path normalised per head and failed on a shape. OLMo's
     # clip_qkv clamps the projections, which the kv-only path does not: refused by name, not blamed on the spec.
@@ -291,6 +311,15 @@ def test_a_layer_called_without_position_embeddings_is_refused_by_name_when_it_s
     parts = resolve(model).attention_parts(layer)
     with pytest.raises(KVPathError, match="without position_embeddings.*cannot skip blocks"):
         kv_only(layer, parts, torch.zeros(1, 1, model.config.hidden_size), {"cache": object()})
+    # An attention that rotates no keys needs none (OPT-style families).
+    from types import SimpleNamespace
+
+    from vlm_retrofit.backbones.registry import no_rotary
+
+    written = []
+    cache = SimpleNamespace(update=lambda keys, values, index, **kw: written.append((keys.shape, index)))
+    kv_only(layer, parts._replace(rotary_fn=no_rotary), torch.zeros(1, 1, model.config.hidden_size), {"cache": cache})
+    assert written and written[0][1] == layer.self_attn.layer_idx
 
 
 def test_a_key_norm_under_another_name_than_the_spec_says_is_refused_by_name():

@@ -50,7 +50,8 @@ def _default_uses_rotary(attention: nn.Module) -> bool:
     return bool(getattr(attention, "use_rope", True))
 
 
-def _no_rotary(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor]:
+def no_rotary(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor]:
+    """The rotary function of an attention that rotates no keys (`BackboneSpec.uses_rotary` False): the identity."""
     return q, k
 
 
@@ -196,7 +197,7 @@ class BackboneSpec:
                                 f"unnormalised keys. Register the family with BackboneSpec(k_norm_attr={other!r}), "
                                 "or k_norm_attr=None if it is not one the keys pass through")
         if not self.uses_rotary(attention):
-            rotary_fn = _no_rotary
+            rotary_fn = no_rotary
         else:
             rotary_fn = self.rotary_fn
         partial = _partial_rotary_factor(getattr(attention, "config", None))

@@ -73,7 +73,7 @@ def check_skip_consistency(model: nn.Module, inputs: Mapping[str, Any], config: 
         raise AssertionError(f"random skipping at rate {rate} wrote no K/V through the kv-only path on these inputs: "
                              "nothing was checked; give one row, more new tokens or a higher rate")
     layers = resolve(model).get_layers(model)
-    _check_coverage(model, adapter.layout, [id(layer) in wrote_kv_only for layer in layers])
+    _check_coverage(model, adapter.layout, [id(layer) in wrote_kv_only for layer in layers], config)
     if torch.equal(cached.sequences, through_layers.sequences):
         wrong = _differing_layers(cached.past_key_values, through_layers.past_key_values, kv_rtol)
         if wrong:
@@ -110,20 +110,26 @@ def _differing_layers(cache: Any, reference: Any, rtol: float) -> list[str]:
     return wrong
 
 
-def _check_coverage(model: nn.Module, layout: Any, wrote: list[bool]) -> None:
+def _check_coverage(model: nn.Module, layout: Any, wrote: list[bool], config: RouterConfig | None) -> None:
     """Refuse a check that left a kind of attention layer (`layer_types`) out: one that may skip but never wrote
-    through the kv-only path, or one that never may skip in this model (its kv-only path is then never run here,
-    yet a deeper model of the family runs it)."""
+    through the kv-only path, or one kept from skipping here only because the first and last blocks never skip (a
+    deeper model of the family runs its kv-only path). Kinds that never skip in use (the spec's never-skip layers,
+    as hybrids list their convolution layers, or blocks the caller's `config` keeps) need no kv-only path."""
     layer_types = getattr(model.config.get_text_config(), "layer_types", None)
     if not layer_types or len(set(layer_types)) < 2:
         return
     skippable = set(layout.layers_of_blocks(layout.skippable_blocks))
+    kept_by_spec = set(resolve(model).never_skip_layers(model.config))
+    caller_chose = config is not None and (config.never_skip_blocks is not None or config.skippable_blocks is not None)
+    edges = set(layout.layers_of_blocks([0, len(layout.block_starts) - 1]))
     for kind in sorted(set(layer_types)):
         indices = [i for i, t in enumerate(layer_types) if t == kind]
         if not any(i in skippable for i in indices):
-            raise AssertionError(f"no {kind!r} layer (layers {indices}) may skip in this model (the first and last "
-                                 "blocks never do), so its kv-only path goes unchecked: build the test model with "
-                                 "more layers")
+            if not caller_chose and any(i in edges and i not in kept_by_spec for i in indices):
+                raise AssertionError(f"no {kind!r} layer (layers {indices}) may skip in this model (the first and "
+                                     "last blocks never do), so its kv-only path goes unchecked: build the test model "
+                                     "with more layers")
+            continue
         if not any(wrote[i] for i in indices):
             raise AssertionError(f"no {kind!r} layer (layers {indices}) wrote through the kv-only path on these "
                                  "inputs, so that kind went unchecked: give more new tokens or another seed")

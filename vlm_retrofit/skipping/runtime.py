@@ -10,6 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from ..backbones import KVPathError, image_positions, layer_hidden_states, unwrap_model
+from ..backbones.registry import no_rotary
 from ..errors import InputError
 from ..routing.adapter import CACHELESS_LAYERS, RouterAdapter
 from .accounting import LayerCost, SkipReport
@@ -25,7 +26,8 @@ def kv_only(layer: nn.Module, parts: Any, hidden: Tensor, kwargs: dict) -> None:
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
     if cache is None:
         return
-    if kwargs.get("position_embeddings") is None:
+    rotates = parts.rotary_fn is not no_rotary
+    if rotates and kwargs.get("position_embeddings") is None:
         raise KVPathError(f"{type(layer).__name__} was called without position_embeddings (its attention computes "
                         "rotary embeddings itself, as some remote-code models do): a skipped layer's kv-only cache "
                         "path rotates keys with the decoder's (cos, sin), so this family cannot skip blocks")
@@ -40,8 +42,9 @@ def kv_only(layer: nn.Module, parts: Any, hidden: Tensor, kwargs: dict) -> None:
         keys = parts.k_norm(keys)  # per-head norm over head_dim: same result before or after the transpose
     keys = keys.transpose(1, 2)
     values = parts.v_proj(normed).view(shape).transpose(1, 2)
-    cos, sin = kwargs["position_embeddings"]
-    _, keys = parts.rotary_fn(keys, keys, cos, sin)
+    if rotates:
+        cos, sin = kwargs["position_embeddings"]
+        _, keys = parts.rotary_fn(keys, keys, cos, sin)
     extra = {k: v for k, v in kwargs.items() if k not in ("cache", "past_key_values", "position_embeddings", "attention_mask")}
     cache.update(keys, values, attention.layer_idx, kwargs=extra)
 
