@@ -12,6 +12,7 @@ import random
 import re
 import sys
 import tarfile
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
@@ -75,15 +76,19 @@ def sanitize_key(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_\-/]", "_", name).strip("/") or "_"
 
 
-def image_file(data: bytes) -> tuple[str, bytes]:
+def image_file(data: bytes, max_image_pixels: int = MAX_IMAGE_PIXELS) -> tuple[str, bytes]:
     """Validate image bytes; return (extension, bytes), re-encoding formats other than jpg/png/webp as PNG. An image
-    that training would always skip (more than `MAX_IMAGE_PIXELS` pixels) is left out here, listed as `huge_image`."""
+    that training would skip (more than `max_image_pixels` pixels, the datamodule's setting of that name) is left out
+    here, listed as `huge_image`."""
     try:
-        with Image.open(io.BytesIO(data)) as img:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # our own limit decides
+            img = Image.open(io.BytesIO(data))
+        with img:
             fmt = img.format
-            if img.width * img.height > MAX_IMAGE_PIXELS:
-                raise SkipInput("huge_image", f"{img.width}x{img.height} > {MAX_IMAGE_PIXELS} pixels, which the "
-                                "datamodule skips by default (max_image_pixels): downscale it")
+            if img.width * img.height > max_image_pixels:
+                raise SkipInput("huge_image", f"{img.width}x{img.height} > {max_image_pixels} pixels, which the "
+                                "datamodule skips (max_image_pixels): downscale it, or raise both limits")
             img.load()
             if fmt in _STORED:
                 return _STORED[fmt], data
@@ -92,6 +97,8 @@ def image_file(data: bytes) -> tuple[str, bytes]:
             return "png", out.getvalue()
     except SkipInput:
         raise
+    except Image.DecompressionBombError as exn:  # beyond PIL's own limit (~179 M pixels)
+        raise SkipInput("huge_image", str(exn)) from None
     except Exception as exn:  # noqa: BLE001 - anything PIL raises means unusable
         raise SkipInput("corrupt_image", f"{type(exn).__name__}: {exn}") from None
 
@@ -109,7 +116,7 @@ def text_file(text: str | None = None, messages: list | None = None) -> dict[str
     return {"txt": str(text).strip().encode("utf-8")}
 
 
-def _folder_records(root: Path) -> tuple[list[Record], list[dict]]:
+def _folder_records(root: Path, max_image_pixels: int) -> tuple[list[Record], list[dict]]:
     groups: dict[str, dict[str, Path]] = {}
     for path in sorted(p for p in root.rglob("*") if p.is_file()):
         rel = path.relative_to(root)
@@ -147,11 +154,11 @@ def _folder_records(root: Path) -> tuple[list[Record], list[dict]]:
         elif "txt" not in group and "json" not in group:
             skipped.append({"source": src, "reason": "missing_text", "detail": "image without a .txt caption"})
         else:
-            records.append(Record(sanitize_key(stem), src, _folder_loader(group)))
+            records.append(Record(sanitize_key(stem), src, _folder_loader(group, max_image_pixels)))
     return records, skipped
 
 
-def _folder_loader(group: dict[str, Path]) -> Callable[[], dict[str, bytes]]:
+def _folder_loader(group: dict[str, Path], max_image_pixels: int) -> Callable[[], dict[str, bytes]]:
     def load() -> dict[str, bytes]:
         files: dict[str, bytes] = {}
         if "txt" in group:
@@ -163,7 +170,7 @@ def _folder_loader(group: dict[str, Path]) -> Callable[[], dict[str, bytes]]:
                 raise SkipInput("bad_json", str(exn)[:200]) from None
             files.update(_json_text(obj))
         if "image" in group:
-            ext, data = image_file(group["image"].read_bytes())
+            ext, data = image_file(group["image"].read_bytes(), max_image_pixels)
             files[ext] = data
         elif "txt" in files:
             raise SkipInput("missing_image", "caption without an image")
@@ -186,7 +193,7 @@ def _json_text(obj) -> dict[str, bytes]:
     raise SkipInput("missing_text", "no text/caption/messages field")
 
 
-def _jsonl_records(path: Path) -> tuple[list[Record], list[dict]]:
+def _jsonl_records(path: Path, max_image_pixels: int) -> tuple[list[Record], list[dict]]:
     records, skipped, seen = [], [], set()
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
@@ -210,17 +217,17 @@ def _jsonl_records(path: Path) -> tuple[list[Record], list[dict]]:
             continue
         seen.add(key)
         image = obj.get("image") or obj.get("image_path")
-        records.append(Record(key, src, _jsonl_loader(obj, path.parent / image if image else None)))
+        records.append(Record(key, src, _jsonl_loader(obj, path.parent / image if image else None, max_image_pixels)))
     return records, skipped
 
 
-def _jsonl_loader(obj: dict, image: Path | None) -> Callable[[], dict[str, bytes]]:
+def _jsonl_loader(obj: dict, image: Path | None, max_image_pixels: int) -> Callable[[], dict[str, bytes]]:
     def load() -> dict[str, bytes]:
         files = _json_text(obj)
         if image is not None:
             if not image.is_file():
                 raise SkipInput("missing_image", f"{image} does not exist")
-            ext, data = image_file(image.read_bytes())
+            ext, data = image_file(image.read_bytes(), max_image_pixels)
             files[ext] = data
         elif "txt" in files:
             raise SkipInput("missing_image", "caption without an image")
@@ -297,12 +304,14 @@ def build_shards(
     val_fraction: float = 0.0,
     seed: int = 0,
     min_val_shards: int = 1,
+    max_image_pixels: int = MAX_IMAGE_PIXELS,
 ) -> dict:
     """Build shards from a folder (`x.jpg` + `x.txt`, or `x.json` conversations) or a JSONL file.
 
     JSONL lines: `{"image": "rel/or/abs.jpg", "text": "caption"}` (also `caption`), or
     `{"messages": [...]}` / `{"conversations": [...]}` with an optional `image` (text-only conversations are
-    allowed); optional `key`/`id`. Unusable inputs are listed in `manifest["skipped"]` with a reason.
+    allowed); optional `key`/`id`. Unusable inputs are listed in `manifest["skipped"]` with a reason, images with
+    more than `max_image_pixels` pixels among them (`huge_image`: a datamodule with that limit would skip them).
 
     Output layout (`build_shards(..., output)`)::
 
@@ -316,9 +325,9 @@ def build_shards(
     """
     src = Path(input)
     if src.is_dir():
-        records, skipped = _folder_records(src)
+        records, skipped = _folder_records(src, max_image_pixels)
     elif src.is_file():
-        records, skipped = _jsonl_records(src)
+        records, skipped = _jsonl_records(src, max_image_pixels)
     else:
         raise FileNotFoundError(f"shard builder input {src} is neither a folder nor a JSONL file")
     if not records:  # before anything is written: an empty manifest would only fail later, at training
@@ -343,6 +352,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--min-val-shards", type=int, default=1,
                    help="spread the val split over at least this many shards (>= ranks x workers)")
     p.add_argument("--seed", type=int, default=0, help="shuffle / split seed (default 0)")
+    p.add_argument("--max-image-pixels", type=int, default=MAX_IMAGE_PIXELS,
+                   help="leave out (and list) images with more pixels, which a datamodule with the same "
+                        f"max_image_pixels would skip at every read (default {MAX_IMAGE_PIXELS})")
     p.add_argument("--synthetic", type=int, default=None, metavar="N",
                    help="instead of --input, write N synthetic image-caption samples (no network needed)")
     args = p.parse_args(argv)
@@ -359,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
                                               min_val_shards=args.min_val_shards)
         else:
             manifest = build_shards(args.input, args.output, args.maxcount, args.val_fraction, args.seed,
-                                    args.min_val_shards)
+                                    args.min_val_shards, args.max_image_pixels)
     except (FileNotFoundError, InputError) as exn:
         print(f"shards refused: {exn}", file=sys.stderr)
         return 1

@@ -39,6 +39,8 @@ def test_a_bf16_run_on_a_cpu_without_fast_kernels_is_told_how_to_run_in_fp32(cpu
     assert slow_bf16_warning("cpu", "32-true", None) is None
     cpu_bf16(True)
     assert slow_bf16_warning("cpu", "bf16-mixed", "bfloat16") is None
+    if not torch.cuda.is_available():  # a GPU without bf16 kernels (here: none at all) is told as a GPU
+        assert "cuda only emulates" in slow_bf16_warning("cuda", "bf16-mixed")
 
 
 def test_the_demo_gets_fp32_options_only_where_bf16_is_slow_and_fit_takes_them(cpu_bf16, capsys, tmp_path):

@@ -175,10 +175,9 @@ def test_bad_arguments(tmp_path):
         write_synthetic_shards(tmp_path, num_samples=4, maxcount=0)
 
 
-def test_names_that_share_a_key_binary_input_and_oversize_images_are_refused_or_listed(tmp_path, monkeypatch):
+def test_names_that_share_a_key_binary_input_and_oversize_images_are_refused_or_listed(tmp_path):
     # Before: "photo.1" and "photo_1" both became key photo_1 and the reader lost one sample uncounted; a binary file
     # given as JSONL crashed with a UnicodeDecodeError; an image training always skips was packed anyway.
-    from vlm_retrofit.datamodules import shards
     from vlm_retrofit.errors import InputError
 
     src = tmp_path / "in"
@@ -186,11 +185,14 @@ def test_names_that_share_a_key_binary_input_and_oversize_images_are_refused_or_
     for name in ("photo.1", "photo_1", "fine", "large"):
         (src / f"{name}.jpg").write_bytes(_jpg((10, 20, 30), size=(40, 40) if name != "large" else (60, 60)))
         (src / f"{name}.txt").write_text(f"caption of {name}")
-    monkeypatch.setattr(shards, "MAX_IMAGE_PIXELS", 50 * 50)
-    manifest = build_shards(src, tmp_path / "out", val_fraction=0.0)
+    manifest = build_shards(src, tmp_path / "out", val_fraction=0.0, max_image_pixels=50 * 50)
     reasons = {s["source"].rsplit("/", 1)[-1]: (s["reason"], s["detail"]) for s in manifest["skipped"]}
     assert manifest["num_samples"] == 1 and set(reasons) == {"photo.1.jpg", "photo_1.jpg", "large.jpg"}
     assert reasons["photo.1.jpg"][0] == "ambiguous" and "become key 'photo_1'" in reasons["photo.1.jpg"][1]
     assert reasons["large.jpg"][0] == "huge_image" and "60x60" in reasons["large.jpg"][1]
     with pytest.raises(InputError, match=r"fine.jpg is not a UTF-8 text file.*a JSONL file of records"):
         build_shards(src / "fine.jpg", tmp_path / "out2")
+    # The default keeps what the datamodule's default reads; the command line sets the limit as the datamodule does.
+    assert build_shards(src, tmp_path / "out3")["num_samples"] == 2
+    assert main(["--input", str(src), "--output", str(tmp_path / "out4"), "--max-image-pixels", "2500"]) == 0
+    assert json.loads((tmp_path / "out4" / "manifest.json").read_text())["num_samples"] == 1

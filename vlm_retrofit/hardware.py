@@ -23,8 +23,8 @@ def fast_bf16(device: str = "cpu") -> bool:
     falls back to reference kernels: on one core of an AMD EPYC a 512 x 576 x 1536 matmul took 764 ms in bf16 (also
     under autocast) against 10.7 ms in fp32, so a bf16 run there is some 70x slower, not faster."""
     kind = torch.device(device).type
-    if kind == "cuda":
-        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    if kind == "cuda":  # emulated bf16 (before Ampere) does not count
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False)
     return _cpu_has_fast_bf16() if kind == "cpu" else True  # other accelerators: their own business
 
 
@@ -47,8 +47,11 @@ def slow_bf16_warning(device: str, precision: Any = None, torch_dtype: Any = Non
         return None
     asked = ", ".join(f"{name} {value}" for name, value in (("precision", precision), ("torch_dtype", torch_dtype))
                       if wants_bf16(**{name: value}))
-    return (f"this run asks for bf16 ({asked}), which this CPU has no fast kernels for (no AVX512): bf16 matmuls "
-            f"here run some 70x slower than fp32. Pass {' '.join(FP32_FIT_FLAGS)} to run in fp32")
+    if torch.device(device).type == "cpu":
+        why = "this CPU has no fast kernels for (no AVX512): bf16 matmuls here run some 70x slower than fp32"
+    else:
+        why = f"{device} only emulates (bf16 runs slower there than fp32)"
+    return f"this run asks for bf16 ({asked}), which {why}. Pass {' '.join(FP32_FIT_FLAGS)} to run in fp32"
 
 
 def main(args: Sequence[str] | None = None) -> int:
