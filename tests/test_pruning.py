@@ -243,3 +243,24 @@ def test_a_pruned_release_is_the_backbone_of_a_new_retrofit(trained_removal, tmp
         assert main(["merge", "--ckpt", str(trained_removal), "--output", str(tmp_path / name), *extra]) == 0
         with pytest.raises(ValueError, match="trained routers.*--prune-target"):
             load_backbone(str(tmp_path / name))
+
+
+def test_what_training_wrote_loads_in_another_dtype_and_a_slow_one_is_noted(trained_removal, monkeypatch, capsys):
+    # A bf16 release on a CPU without fast bf16 kernels decoded some 70x slower than in fp32, with no way to say
+    # otherwise on the command line.
+    import torch
+
+    from vlm_retrofit import hardware
+    from vlm_retrofit.backbones.loading import floating_dtype
+    from vlm_retrofit.release import warn_about_slow_dtype
+
+    loaded = load_trained(trained_removal, torch_dtype="bfloat16")
+    assert floating_dtype(loaded.model) == torch.bfloat16 and loaded.base_model["torch_dtype"] == "bfloat16"
+    monkeypatch.setattr(hardware, "_cpu_has_fast_bf16", lambda: False)
+    warn_about_slow_dtype("generate", loaded.model)
+    assert "generate: note: these weights are bfloat16" in capsys.readouterr().err
+    warn_about_slow_dtype("generate", load_trained(trained_removal).model)  # fp32: nothing to say
+    assert capsys.readouterr().err == ""
+    assert main(["generate", "--model", str(trained_removal), "--prompt", "Hi", "--max-new-tokens", "2",
+                 "--dtype", "bfloat16", "--compare-base"]) == 0
+    assert "note:" not in capsys.readouterr().err  # asked for: not noted

@@ -13,8 +13,8 @@ from typing import Any
 import torch
 
 from .files import check_replaceable, write_adapter_folder
-from .release import (Loaded, add_trust_remote_code_flag, load_base_model, load_trained, refresh_model_card,
-                      is_pruned_release, summarize_pruning)
+from .release import (Loaded, add_dtype_flag, add_trust_remote_code_flag, is_pruned_release, load_base_model,
+                      load_trained, refresh_model_card, summarize_pruning, warn_about_slow_dtype)
 from .skipping import POLICIES, SkipController, calibrate
 
 
@@ -65,6 +65,7 @@ def calibrate_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", default=None, help="adapter folder to write (default: the adapter itself; "
                                                        "for a checkpoint, <name>-adapter beside it)")
     add_trust_remote_code_flag(parser)
+    add_dtype_flag(parser)
     ns = parser.parse_args(argv)
     bad_targets = [t for t in ns.target_saving if not 0 < t < 1]
     problems = [f"--target-saving takes fractions between 0 and 1 (got {bad_targets})"] if bad_targets else []
@@ -82,7 +83,9 @@ def calibrate_main(argv: list[str] | None = None) -> int:
         print(f"calibrate refused: {source} is a pruned release: its layers are deleted and it has no routers to "
               "calibrate; calibrate the adapter or checkpoint it was merged from", file=sys.stderr)
         return 1
-    loaded = load_trained(source, ns.base, trust_remote_code=ns.trust_remote_code)
+    loaded = load_trained(source, ns.base, trust_remote_code=ns.trust_remote_code, torch_dtype=ns.dtype)
+    if ns.dtype is None:
+        warn_about_slow_dtype("calibrate", loaded.model)
     try:
         output, in_place = _adapter_output(loaded, source, ns.output)  # before any work
     except ValueError as error:
@@ -229,6 +232,7 @@ def generate_main(argv: list[str] | None = None) -> int:
                         help="also load the unmodified base model: print its answer, the agreement with it and the "
                              "decode speed against it")
     add_trust_remote_code_flag(parser)
+    add_dtype_flag(parser)
     ns = parser.parse_args(argv)
     problem = _skip_options_problem(ns)
     if problem:
@@ -249,7 +253,9 @@ def generate_main(argv: list[str] | None = None) -> int:
         print(f"generate refused: {ns.model} is a pruned release with no routers: drop --skip-policy (its removed "
               "layers are deleted from the weights, every token saves them)", file=sys.stderr)
         return 1
-    loaded = load_trained(Path(ns.model), ns.base, trust_remote_code=ns.trust_remote_code)
+    loaded = load_trained(Path(ns.model), ns.base, trust_remote_code=ns.trust_remote_code, torch_dtype=ns.dtype)
+    if ns.dtype is None:
+        warn_about_slow_dtype("generate", loaded.model)
     try:
         inputs = chat_inputs(loaded.processor, ns.prompt, image)
     except ValueError as error:

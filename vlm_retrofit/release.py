@@ -16,9 +16,11 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from .backbones import base_fingerprint, unchanged_fingerprint, unwrap_model
-from .backbones.loading import RELEASE_CONFIG, half_precision, load_backbone, load_processor, looks_like_a_folder
+from .backbones.loading import (RELEASE_CONFIG, floating_dtype, half_precision, load_backbone, load_processor,
+                                looks_like_a_folder)
 from .backbones.tied import record_untied_embeddings, untie, with_tied_partners
 from .errors import InputError
+from .hardware import fast_bf16
 from .files import LORA_FILES, atomic_write, check_complete, check_replaceable, staged_folder
 from .routing import AdapterMismatchError, RouterAdapter, RouterConfig, attach_routers, check_fingerprint
 from .replacement import load_replacements
@@ -62,9 +64,11 @@ def _load_kwargs(base_model: dict[str, Any], source: str, trust_remote_code: boo
     return {k: base_model[k] for k in known if base_model.get(k) is not None}
 
 
-def _load_base(base_model: dict[str, Any], base: str | None, source: str,
-               trust_remote_code: bool = False) -> tuple[nn.Module, Any, dict[str, Any]]:
+def _load_base(base_model: dict[str, Any], base: str | None, source: str, trust_remote_code: bool = False,
+               torch_dtype: str | None = None) -> tuple[nn.Module, Any, dict[str, Any]]:
     base_model = dict(base_model)
+    if torch_dtype is not None:  # loads in another dtype than recorded (the fingerprint reads any of them alike)
+        base_model["torch_dtype"] = torch_dtype
     if base is not None:
         if str(base_model.get("name", "")).startswith("tiny:") and not base.startswith("tiny:"):
             base_model["kwargs"] = None  # tiny_vlm's config overrides, not from_pretrained arguments
@@ -84,9 +88,11 @@ def load_base_model(loaded: Loaded, base: str | None = None) -> nn.Module:
     return _load_base(loaded.base_model, base, "the loaded model", trust_remote_code=True)[0].eval()
 
 
-def load_checkpoint(path: str | os.PathLike, base: str | None = None, *, trust_remote_code: bool = False) -> Loaded:
+def load_checkpoint(path: str | os.PathLike, base: str | None = None, *, trust_remote_code: bool = False,
+                    torch_dtype: str | None = None) -> Loaded:
     """Rebuild the trained model of a Lightning checkpoint written by `RetrofitModule` (no Lightning needed).
-    A base recorded with `trust_remote_code` is refused unless `trust_remote_code` (the same in every loader)."""
+    A base recorded with `trust_remote_code` is refused unless `trust_remote_code` (the same in every loader);
+    `torch_dtype` loads the weights in that dtype instead of the recorded one (as in every loader)."""
     path = Path(path)
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
@@ -102,7 +108,7 @@ def load_checkpoint(path: str | os.PathLike, base: str | None = None, *, trust_r
     saved_base = {"name": meta.get("backbone") or hp.get("backbone"), "kwargs": hp.get("backbone_kwargs") or {},
                   "torch_dtype": hp.get("torch_dtype"), "attn_implementation": hp.get("attn_implementation"),
                   "model_class": hp.get("model_class"), "trust_remote_code": hp.get("trust_remote_code", False)}
-    model, processor, base_model = _load_base(saved_base, base, str(path), trust_remote_code)
+    model, processor, base_model = _load_base(saved_base, base, str(path), trust_remote_code, torch_dtype)
     check_fingerprint(meta["base_fingerprint"], base_fingerprint(model), projections=True,
                       source=f"checkpoint {path} (trained on {meta.get('backbone')!r}, given {base_model['name']!r})")
     lora = meta.get("lora")
@@ -132,14 +138,16 @@ def load_checkpoint(path: str | os.PathLike, base: str | None = None, *, trust_r
     return Loaded(model.eval(), processor, adapter, base_model, dict(lora) if lora else None, "checkpoint", replacement)
 
 
-def load_adapter_folder(path: str | os.PathLike, base: str | None = None, *, trust_remote_code: bool = False) -> Loaded:
+def load_adapter_folder(path: str | os.PathLike, base: str | None = None, *, trust_remote_code: bool = False,
+                        torch_dtype: str | None = None) -> Loaded:
     """Load base + routers (+ `lora/` if present) from an adapter folder written by `save_pretrained`."""
     path = Path(path)
     saved = read_adapter_config(path)
     # Folders written before companions were recorded: a `lora/` that is there must be whole.
     required = list(saved.get("companions") or (LORA_FILES if (path / "lora").is_dir() else []))
     check_complete(path, [CONFIG_NAME, WEIGHTS_NAME, *required], "adapter")
-    model, processor, base_model = _load_base(saved.get("base_model") or {}, base, str(path), trust_remote_code)
+    model, processor, base_model = _load_base(saved.get("base_model") or {}, base, str(path), trust_remote_code,
+                                              torch_dtype)
     check_fingerprint(saved["base_fingerprint"], base_fingerprint(model), projections=True, source=f"adapter {path}")
     lora = None
     if (path / "lora" / "adapter_config.json").is_file():
@@ -251,6 +259,20 @@ def summarize_pruning(directory: str | os.PathLike) -> str:
             f"{100 * pruned['layer_compute_removed']:.1f} % of decoder-layer compute saved on every token")
 
 
+def add_dtype_flag(parser: Any) -> None:
+    """`--dtype` for the commands that load what training or merging wrote."""
+    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                        help="load the weights in this dtype instead of the one recorded (e.g. float32 for a bf16 "
+                             "release on a CPU without fast bf16 kernels: python -m vlm_retrofit.hardware)")
+
+
+def warn_about_slow_dtype(command: str, model: nn.Module, device: str = "cpu") -> None:
+    """One line on stderr where `model` holds bf16 weights that `device` has no fast kernels for."""
+    if floating_dtype(model) == torch.bfloat16 and not fast_bf16(device):
+        print(f"{command}: note: these weights are bfloat16, which this {device.upper()} has no fast kernels for (some "
+              "70x slower than fp32 on an AVX2-only CPU): --dtype float32 loads them in fp32", file=sys.stderr)
+
+
 def add_trust_remote_code_flag(parser: Any) -> None:
     """`--trust-remote-code` for the commands that load what training or merging wrote."""
     parser.add_argument("--trust-remote-code", action="store_true",
@@ -258,15 +280,17 @@ def add_trust_remote_code_flag(parser: Any) -> None:
                              "(refused by default)")
 
 
-def load_trained(path: str | os.PathLike, base: str | None = None, *, trust_remote_code: bool = False) -> Loaded:
-    """Whatever training or merging produced: a checkpoint file, an adapter folder or a release folder."""
+def load_trained(path: str | os.PathLike, base: str | None = None, *, trust_remote_code: bool = False,
+                 torch_dtype: str | None = None) -> Loaded:
+    """Whatever training or merging produced: a checkpoint file, an adapter folder or a release folder; the weights
+    in `torch_dtype` where given, else in the dtype recorded."""
     path = Path(path)
     if path.is_file():
-        return load_checkpoint(path, base, trust_remote_code=trust_remote_code)
+        return load_checkpoint(path, base, trust_remote_code=trust_remote_code, torch_dtype=torch_dtype)
     if (path / RELEASE_CONFIG).is_file():
-        return _load_release(path, trust_remote_code, base=base)
+        return _load_release(path, trust_remote_code, torch_dtype, base=base)
     if (path / CONFIG_NAME).is_file():
-        return load_adapter_folder(path, base, trust_remote_code=trust_remote_code)
+        return load_adapter_folder(path, base, trust_remote_code=trust_remote_code, torch_dtype=torch_dtype)
     raise FileNotFoundError(f"{path} is neither a checkpoint file, a router adapter folder ({CONFIG_NAME}) "
                             f"nor a release folder ({RELEASE_CONFIG})")
 
