@@ -246,10 +246,14 @@ class DataQualityCallback(pl.Callback):
         # run's totals summed over ranks, which rank 0 alone takes back (`on_fit_start`): restored on every rank
         # as they were, rank 0's counts came back once per rank and the other ranks' were lost.
         state = checkpoint.get("callbacks", {}).get(self.state_key)
-        if trainer.world_size > 1 and state is not None:
+        if state is None:
+            return
+        if trainer.world_size > 1:
             totals, good, _ = self._reduced(trainer, pl_module)  # every rank saves: the reduction is collective
             state["tracker"] = {**state["tracker"], "skipped": totals, "num_good": good}
-            state["summed_over_ranks"] = True
+        # The run's totals, also from one process: resumed on several, the other ranks then count anew (they
+        # counted rank 0's totals again before, when a single process's checkpoint was resumed under DDP).
+        state["summed_over_ranks"] = True
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.tracker.load_state_dict(state_dict.get("tracker", {}))

@@ -15,6 +15,7 @@ import tarfile
 from collections import Counter, deque
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
+import torch
 import webdataset as wds
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader, IterableDataset
@@ -211,11 +212,18 @@ class EpochLoader(DataLoader):
         state = getattr(self.dataset, "epoch_state", None)
         return {"epoch": state.epoch if state is not None else 0,
                 "batches": int(self.consumed()) if self.consumed is not None else 0,
-                "batch_size": int(self.samples_per_batch or 0), "num_workers": int(self.num_workers)}
+                **self._layout()}
+
+    def _layout(self) -> dict[str, int]:
+        """What the stream's position is counted in: each rank's workers split the shards, in batches of this size."""
+        world = torch.distributed.get_world_size() if torch.distributed.is_available() and \
+            torch.distributed.is_initialized() else 1
+        return {"batch_size": int(self.samples_per_batch or 0), "num_workers": int(self.num_workers),
+                "world_size": int(world)}
 
     def load_state_dict(self, saved: Mapping[str, int]) -> None:
         epoch, batches = int(saved.get("epoch", 0)), int(saved.get("batches", 0))
-        layout = {"batch_size": int(self.samples_per_batch or 0), "num_workers": int(self.num_workers)}
+        layout = self._layout()
         changed = {k: (saved[k], v) for k, v in layout.items() if k in saved and saved[k] != v}
         if changed:
             # The position is a count of batches of each worker's stream: other batches or workers read another
@@ -224,7 +232,7 @@ class EpochLoader(DataLoader):
             rank_zero_warn(f"resuming the training stream with {what}: its position ({batches} batches into epoch "
                            f"{max(0, epoch - 1)}, counting from 0) was counted in the checkpoint's batches, so this "
                            "epoch continues on another stream and its sample count differs from an uninterrupted "
-                           "run's. Keep batch_size and num_workers to continue exactly")
+                           "run's. Keep batch_size, num_workers and the number of processes to continue exactly")
         if self.batches_per_epoch and batches >= self.batches_per_epoch:
             batches = 0  # saved on the epoch's last batch: the next pass is the next epoch's
         else:

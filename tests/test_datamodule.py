@@ -542,7 +542,7 @@ def test_a_resume_with_another_batch_size_or_worker_count_says_the_epoch_continu
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         loader.load_state_dict(saved)  # the same layout: silent
-    with pytest.warns(UserWarning, match=r"batch_size 8 -> 4: .*Keep batch_size and num_workers"):
+    with pytest.warns(UserWarning, match=r"batch_size 8 -> 4: .*Keep batch_size, num_workers"):
         loader.load_state_dict({**saved, "batch_size": 8})
 
 
@@ -615,3 +615,27 @@ def test_a_folder_of_raw_images_given_as_shards_points_to_the_shard_builder(tmp_
     (tmp_path / "images" / "a.jpg").write_bytes(b"")
     with pytest.raises(ShardError, match=r"holds files, not shards.*python -m vlm_retrofit shards --input"):
         resolve_shards(str(tmp_path / "images"), "train_shards")
+
+
+def test_a_single_process_checkpoint_resumed_under_ddp_counts_its_totals_once():
+    # A world-size-1 save wrote no "run totals" flag, so both ranks of a resumed DDP run kept rank 0's restored
+    # counts and the reduction added them twice (data/samples 24 where 18 were read).
+    single = DataQualityCallback(min_samples=10**6)
+    single.tracker.update({"skipped": {"corrupt_image": 2}, "num_samples": 10})
+    checkpoint = {"callbacks": {single.state_key: single.state_dict()}}
+    one = type("Trainer", (), {"world_size": 1, "global_rank": 0})()
+    single.on_save_checkpoint(one, None, checkpoint)
+    for rank in (0, 1):
+        resumed = DataQualityCallback(min_samples=10**6)
+        resumed.load_state_dict(checkpoint["callbacks"][single.state_key])
+        resumed.on_fit_start(type("Trainer", (), {"world_size": 2, "global_rank": rank})(), None)
+        assert resumed.tracker.num_good == (10 if rank == 0 else 0)
+
+
+def test_a_resume_with_another_number_of_processes_is_warned_about():
+    from vlm_retrofit.datamodules.stream import EpochLoader
+
+    loader = EpochLoader([], batch_size=None, samples_per_batch=2)
+    saved = {**loader.state_dict(), "world_size": 2}
+    with pytest.warns(UserWarning, match=r"world_size 2 -> 1.*number of processes"):
+        loader.load_state_dict(saved)
