@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import logging
+import warnings
 from collections import Counter
 from typing import Any, Mapping
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.utilities.warnings import PossibleUserWarning
 
 from vlm_retrofit.errors import InputError
 
@@ -160,6 +162,10 @@ class DataQualityCallback(pl.Callback):
         self.max_bad_fraction = max_bad_fraction
         self.min_samples = min_samples
         self.check_every_n_batches = check_every_n_batches
+        # These counts are summed over ranks by hand (`_reduced`) and logged by rank 0 alone: Lightning's advice to
+        # sync them (one warning per metric under DDP, 30 of them) does not apply.
+        warnings.filterwarnings("ignore", message=r"It is recommended to use `self.log\('(val/|test/)?data/",
+                                category=PossibleUserWarning)
         self.tracker = DataQualityTracker()
         self.eval_tracker = DataQualityTracker()
         """The current validation / test / predict pass's counts (not saved: each pass counts its own)."""

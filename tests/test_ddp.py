@@ -57,3 +57,44 @@ def test_ddp_trains_a_lora_healing_whose_removed_layers_get_no_gradient(tmp_path
     assert inspect_checkpoint(last)["global_step"] == 4
     state = torch.load(last, map_location="cpu", weights_only=True)["state_dict"]
     assert state and all("lora_" in key for key in state)  # the LoRA is what trained
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("who", ["every process", "the second rank"])
+def test_a_sigterm_stops_every_rank_at_one_step_saved(tmp_path, who):
+    # Lightning's SIGTERM handler broadcast from inside the handler: a pre-empted job (the signal on every rank)
+    # hung with nothing saved, and a signal on rank 1 alone aborted in a collective mismatch.
+    import signal
+    import time
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
+           "PL_DISABLE_FORK": "1"}
+    command = [
+        sys.executable, "-m", "vlm_retrofit", "fit",
+        "--trainer.accelerator", "cpu", "--trainer.devices", "2", "--trainer.strategy", "ddp",
+        "--trainer.max_steps", "2000", "--trainer.enable_progress_bar", "false", "--trainer.limit_val_batches", "0",
+        "--trainer.callbacks.every_n_train_steps", "2",
+        "--data.num_workers", "0", "--data.batch_size", "2", "--data.train_samples_per_epoch", "8",
+        "--data.data_dir", str(tmp_path / "shards"),
+    ]
+    process = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, start_new_session=True)
+    checkpoints = tmp_path / "runs" / "tiny" / "checkpoints"
+    deadline = time.monotonic() + 240
+    while not (checkpoints / "last.ckpt").exists() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert process.poll() is None, process.stdout.read()[-4000:]
+    if who == "every process":
+        os.killpg(process.pid, signal.SIGTERM)
+    else:
+        children = subprocess.run(["pgrep", "-P", str(process.pid)], capture_output=True, text=True).stdout.split()
+        assert children, "no second rank found"
+        os.kill(int(children[0]), signal.SIGTERM)
+    try:
+        output, _ = process.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        raise AssertionError("the run hung after SIGTERM") from None
+    assert process.returncode == 143, output[-4000:]
+    step = inspect_checkpoint(checkpoints / "last.ckpt")["global_step"]
+    assert 2 < step < 2000 and f"stopped by SIGTERM at step {step}" in output, output[-4000:]

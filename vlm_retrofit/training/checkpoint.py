@@ -244,6 +244,9 @@ class RetrofitCheckpoint(ModelCheckpoint):
 
     interrupted = False
     """Whether a Ctrl-C stopped this callback's last `fit`."""
+    terminated = False
+    """Whether this process received a SIGTERM during its last multi-process `fit`."""
+    _stop_reported = False
     _previous_sigint: Any = None
 
     def use_run_folder(self, trainer: "pl.Trainer") -> None:
@@ -258,10 +261,23 @@ class RetrofitCheckpoint(ModelCheckpoint):
         # Here, not at fit start: Lightning takes every signal handler it finds when training starts back at its
         # teardown, which would re-install this one after the run.
         super().on_train_start(trainer, pl_module)
-        self.interrupted = False
-        if threading.current_thread() is threading.main_thread() and \
-                signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        self.interrupted = self.terminated = self._stop_reported = False
+        if threading.current_thread() is not threading.main_thread():
+            return
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
             self._previous_sigint = signal.signal(signal.SIGINT, lambda signum, frame: self._on_ctrl_c(trainer))
+        if trainer.world_size > 1:
+            # Lightning's own SIGTERM handler broadcasts from inside the signal handler, wherever the step is: with
+            # the signal on every rank (a pre-empted job) or on one other than rank 0, the ranks then wait in
+            # different collectives and hang or abort, unsaved. Here the handler only takes note; the ranks agree at
+            # the end of the step (`on_train_batch_end`) and stop there together, saved. Lightning's teardown puts
+            # back the handler that was there before the run.
+            signal.signal(signal.SIGTERM, lambda signum, frame: self._on_sigterm(trainer, signum))
+
+    def _on_sigterm(self, trainer: "pl.Trainer", signum: int) -> None:
+        if not self.terminated and trainer.strategy.launcher is not None:
+            trainer.strategy.launcher.kill(signum)  # the process that started the others passes it on, as Lightning
+        self.terminated = True
 
     def _on_ctrl_c(self, trainer: "pl.Trainer") -> None:
         if self.interrupted:
@@ -295,16 +311,22 @@ class RetrofitCheckpoint(ModelCheckpoint):
         super().on_train_batch_end(trainer, pl_module, *args, **kwargs)
         if trainer.world_size > 1:
             # Every rank stops, and saves (a collective), at the same step: one rank's terminal may take the Ctrl-C
-            # a step before another's, or alone.
+            # a step before another's, or alone; a SIGTERM reaches the ranks at different moments, or one alone.
             if trainer.strategy.reduce_boolean_decision(self.interrupted, all=False) and not self.interrupted:
                 self.interrupted = True
                 _stop(trainer)
+            if trainer.strategy.reduce_boolean_decision(self.terminated, all=False):
+                self.terminated = True
+                trainer._signal_connector.received_sigterm = True  # Lightning then stops after this step, everywhere
         # A SIGTERM (a pre-empted or time-limited job) or a Ctrl-C makes Lightning stop at the end of this step: save
         # it here, where the periodic checkpoints are saved (a save from the stop itself would hold a state Lightning
         # does not resume exactly), or every step since the last periodic checkpoint is lost.
-        if (trainer.received_sigterm or self.interrupted) and self._last_global_step_saved != trainer.global_step \
+        if (trainer.received_sigterm or self.interrupted) and not self._stop_reported \
                 and not self._should_skip_saving_checkpoint(trainer):
-            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+            if self._last_global_step_saved != trainer.global_step:  # else a periodic save just wrote this step
+                self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+            self._stop_reported = True
             cause = "SIGTERM" if trainer.received_sigterm else "Ctrl-C"
-            rank_zero_warn(f"stopped by {cause} at step {trainer.global_step}: saved {self.last_model_path}; "
+            saved = self.last_model_path or self._last_checkpoint_saved
+            rank_zero_warn(f"stopped by {cause} at step {trainer.global_step}: saved {saved}; "
                            "`--ckpt_path last` resumes from it")
