@@ -29,6 +29,12 @@ REASONS: tuple[str, ...] = (
     "format_error",  # the processor rejected the sample
 )
 
+# The data counts are summed over ranks by hand (`DataQualityCallback._reduced`) and logged by rank 0 alone:
+# Lightning's advice to sync them (one warning per metric under DDP, 30 of them) does not apply.
+warnings.filterwarnings("ignore", message=r"It is recommended to use `self.log\('(val/|test/)?data/",
+                        category=PossibleUserWarning)
+
+
 class DataQualityError(InputError, RuntimeError):
     """Too large a fraction of the training samples was unusable: refused as input (`fit refused: ...`, one line)."""
 
@@ -150,11 +156,11 @@ class DataQualityCallback(pl.Callback):
     Logged at every train epoch end (running totals since the start of the run, summed over ranks):
     `data/skipped/<reason>` for every reason in `REASONS`, `data/samples` (usable samples),
     `data/bad_fraction` and, for weighted sources (`train_weights`), `data/source_share/<i>`: the fraction of
-    rank 0's samples that came from source i. Each validation and test pass logs its own `val/data/skipped/<reason>`
-    and `val/data/samples` (`test/...`), and a pass that left samples out (predict too) warns with the counts. Raises `DataQualityError` (naming the worst shards) when the
-    bad fraction exceeds `max_bad_fraction` after at least `min_samples` samples; also checked after every
-    `check_every_n_batches` batches so a broken data set stops a run early. It removes `skipped_shards` from the
-    batch (not a model input).
+    rank 0's samples that came from source i. Each validation and test pass logs its own
+    `val/data/skipped/<reason>` and `val/data/samples` (`test/...`), and a pass that left samples out (predict too)
+    warns with the counts. Raises `DataQualityError` (naming the worst shards) when the bad fraction exceeds
+    `max_bad_fraction` after at least `min_samples` samples; also checked after every `check_every_n_batches`
+    batches so a broken data set stops a run early. It removes `skipped_shards` from the batch (not a model input).
     """
 
     def __init__(self, max_bad_fraction: float = 0.05, min_samples: int = 100, check_every_n_batches: int = 50):
@@ -162,10 +168,6 @@ class DataQualityCallback(pl.Callback):
         self.max_bad_fraction = max_bad_fraction
         self.min_samples = min_samples
         self.check_every_n_batches = check_every_n_batches
-        # These counts are summed over ranks by hand (`_reduced`) and logged by rank 0 alone: Lightning's advice to
-        # sync them (one warning per metric under DDP, 30 of them) does not apply.
-        warnings.filterwarnings("ignore", message=r"It is recommended to use `self.log\('(val/|test/)?data/",
-                                category=PossibleUserWarning)
         self.tracker = DataQualityTracker()
         self.eval_tracker = DataQualityTracker()
         """The current validation / test / predict pass's counts (not saved: each pass counts its own)."""

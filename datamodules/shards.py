@@ -137,10 +137,10 @@ def _folder_records(root: Path, max_image_pixels: int) -> tuple[list[Record], li
         stems_of_key.setdefault(sanitize_key(stem), []).append(stem)
     for stem, group in sorted(groups.items()):
         src = str(group.get("image") or group.get("txt") or group.get("json") or group.get("other"))
-        clashing = stems_of_key[sanitize_key(stem)]
-        if len(clashing) > 1:
+        key = sanitize_key(stem)
+        if len(stems_of_key[key]) > 1:
             skipped.append({"source": src, "reason": "ambiguous",
-                            "detail": f"names {sorted(clashing)} all become key {sanitize_key(stem)!r}: rename them"})
+                            "detail": f"names {sorted(stems_of_key[key])} all become key {key!r}: rename them"})
         elif "dup" in group:
             skipped.append({"source": src, "reason": "ambiguous", "detail": "several files with this name"})
         elif "other" in group and "image" not in group:
@@ -154,7 +154,7 @@ def _folder_records(root: Path, max_image_pixels: int) -> tuple[list[Record], li
         elif "txt" not in group and "json" not in group:
             skipped.append({"source": src, "reason": "missing_text", "detail": "image without a .txt caption"})
         else:
-            records.append(Record(sanitize_key(stem), src, _folder_loader(group, max_image_pixels)))
+            records.append(Record(key, src, _folder_loader(group, max_image_pixels)))
     return records, skipped
 
 

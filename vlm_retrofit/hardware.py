@@ -36,17 +36,22 @@ def _cpu_has_fast_bf16() -> bool:
         return "AVX512" in torch.backends.cpu.get_cpu_capability()
 
 
+def _bf16_settings(precision: Any, torch_dtype: Any) -> list[str]:
+    """The settings among a Lightning `precision` ("bf16-mixed", ...) and a weights `torch_dtype` that ask for bf16."""
+    return [*([f"precision {precision}"] if str(precision).startswith("bf16") else []),
+            *([f"torch_dtype {torch_dtype}"] if str(torch_dtype) in BF16_NAMES else [])]
+
+
 def wants_bf16(precision: Any = None, torch_dtype: Any = None) -> bool:
     """Whether a Lightning `precision` ("bf16-mixed", "bf16-true", ...) or a weights `torch_dtype` asks for bf16."""
-    return str(precision).startswith("bf16") or str(torch_dtype) in BF16_NAMES
+    return bool(_bf16_settings(precision, torch_dtype))
 
 
 def slow_bf16_warning(device: str, precision: Any = None, torch_dtype: Any = None) -> str | None:
     """What to tell a user whose run asks for bf16 on a `device` that emulates it; None where nothing is wrong."""
-    if not wants_bf16(precision, torch_dtype) or fast_bf16(device):
+    asked = ", ".join(_bf16_settings(precision, torch_dtype))
+    if not asked or fast_bf16(device):
         return None
-    asked = ", ".join(f"{name} {value}" for name, value in (("precision", precision), ("torch_dtype", torch_dtype))
-                      if wants_bf16(**{name: value}))
     if torch.device(device).type == "cpu":
         why = "this CPU has no fast kernels for (no AVX512): bf16 matmuls here run some 70x slower than fp32"
     else:

@@ -476,10 +476,11 @@ def merge(source: str | os.PathLike, output: str | os.PathLike, *, base: str | N
         raise InputError(f"--output {output} holds the input {source}: the release replaces the folder whole, so "
                          "give it a folder of its own")
     check_replaceable(output, "release")  # and staged_folder checks again when it writes
-    if is_pruned_release(source):  # refused before anything loads
+    release = release_config_of(source) or {}  # refused before anything loads
+    if release.get("pruned"):
         raise InputError(f"{source} is a pruned release: it has no routers left to merge; merge the adapter or "
                          "checkpoint it came from")
-    if (release_config_of(source) or {}).get("lora") == "merged":
+    if release.get("lora") == "merged":
         raise InputError(f"{source} is a release whose LoRA is merged into its weights, which a new release of it "
                          "would not carry; merge the adapter or checkpoint it came from")
     loaded = load_trained(source, base, trust_remote_code=trust_remote_code)

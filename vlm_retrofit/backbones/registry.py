@@ -193,9 +193,9 @@ class BackboneSpec:
             other = next((n for n in KEY_NORM_NAMES if isinstance(getattr(attention, n, None), nn.Module)), None)
             if other:
                 raise KVPathError(f"{type(attention).__name__} has {other!r}, which looks like a per-head key norm, "
-                                f"and no {self.k_norm_attr!r}, the one the spec names: a skipped layer would write "
-                                f"unnormalised keys. Register the family with BackboneSpec(k_norm_attr={other!r}), "
-                                "or k_norm_attr=None if it is not one the keys pass through")
+                                  f"and no {self.k_norm_attr!r}, the one the spec names: a skipped layer would write "
+                                  f"unnormalised keys. Register the family with BackboneSpec(k_norm_attr={other!r}), "
+                                  "or k_norm_attr=None if it is not one the keys pass through")
         if not self.uses_rotary(attention):
             rotary_fn = no_rotary
         else:
@@ -204,9 +204,9 @@ class BackboneSpec:
         if rotary_fn is None and partial < 1:
             # The modeling module's apply_rotary_pos_emb rotates whole heads; its attention splits them first.
             raise KVPathError(f"{type(attention).__name__} rotates a part of each key (partial_rotary_factor {partial}), "
-                            "and a skipped layer writes its K/V through its module's apply_rotary_pos_emb, which "
-                            "rotates whole keys: register the family with BackboneSpec(rotary_fn=...) that rotates "
-                            "that part only")
+                              "and a skipped layer writes its K/V through its module's apply_rotary_pos_emb, which "
+                              "rotates whole keys: register the family with BackboneSpec(rotary_fn=...) that rotates "
+                              "that part only")
         if rotary_fn is None:
             rotary_fn = getattr(sys.modules[type(attention).__module__], "apply_rotary_pos_emb", None)
             if rotary_fn is None:
@@ -217,7 +217,7 @@ class BackboneSpec:
         clip = getattr(getattr(attention, "config", None), "clip_qkv", None)
         if clip is not None:
             raise KVPathError(f"{type(attention).__name__} clamps its projections (clip_qkv {clip}), which a skipped "
-                            "layer's kv-only cache path does not: this family cannot skip blocks with that setting")
+                              "layer's kv-only cache path does not: this family cannot skip blocks with that setting")
         k_proj = _kv_part(attention, self.k_proj_attr, "k_proj_attr", "the key projection")
         return AttentionParts(
             input_norm=_kv_part(layer, self.input_norm_attr, "input_norm_attr", "the norm in front of attention"),
@@ -268,12 +268,12 @@ def _kv_part(owner: nn.Module, attribute: str, spec_field: str, what: str) -> nn
     fused = next((name for name in ("qkv_proj", "query_key_value", "c_attn", "Wqkv") if hasattr(owner, name)), None)
     if fused:
         raise KVPathError(f"{type(owner).__name__} projects queries, keys and values together ({fused!r}); the kv-only "
-                        "cache path of a skipped layer needs separate key and value projections, so this family "
-                        "cannot skip blocks")
+                          "cache path of a skipped layer needs separate key and value projections, so this family "
+                          "cannot skip blocks")
     raise KVPathError(f"{type(owner).__name__} has no {attribute!r} ({what}), which a skipped layer runs to write its "
-                    f"K/V into the cache: register the family with BackboneSpec({spec_field}=...) naming it. "
-                    "Layouts without a separate norm, key and value projection (post-norm layers, fused qkv "
-                    "projections) are not supported")
+                      f"K/V into the cache: register the family with BackboneSpec({spec_field}=...) naming it. "
+                      "Layouts without a separate norm, key and value projection (post-norm layers, fused qkv "
+                      "projections) are not supported")
 
 
 _REGISTRY: dict[str, BackboneSpec] = {}

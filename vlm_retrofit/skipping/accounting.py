@@ -124,6 +124,9 @@ class SkipReport:
     layer_calls: dict[str, int] = field(default_factory=lambda: {"full": 0, "mixed": 0, "kv_only": 0, "skipped": 0})
     """Calls of the layers the policy may skip, by what they ran (a static policy's other layers are not
     patched and not counted here; their FLOPs are in the phase counts all the same)."""
+    kv_only_layers: set[int] = field(default_factory=set)
+    """The decoder layers that wrote K/V through the kv-only path at least once (`check_skip_consistency` asks
+    that every kind of attention layer that may skip did)."""
     wall_seconds: float = 0.0
     generated_tokens: int = 0
     """Tokens generated: one per row of each forward that was given a KV cache (every forward of `generate`).
@@ -169,6 +172,7 @@ class SkipReport:
                 setattr(total, name, [a + b for a, b in zip(getattr(total, name), getattr(report, name))])
             for kind, count in report.layer_calls.items():
                 total.layer_calls[kind] += count
+            total.kv_only_layers |= report.kv_only_layers
             total.wall_seconds += report.wall_seconds
             total.generated_tokens += report.generated_tokens
         return total

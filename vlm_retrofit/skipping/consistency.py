@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 from typing import Any, Mapping
-from unittest.mock import patch
 
 import torch
 from torch import nn
 
 from ..backbones import KVPathError, resolve
 from ..routing import RouterConfig, attach_routers, get_adapter
-from . import runtime
 from .policies import RandomPolicy
-from .runtime import kv_only
 
 
 @torch.no_grad()
@@ -43,16 +40,8 @@ def check_skip_consistency(model: nn.Module, inputs: Mapping[str, Any], config: 
     # A random model may emit an image placeholder, which the uncached re-run would take for an image.
     options = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, output_logits=True,
                    return_dict_in_generate=True, suppress_tokens=sorted(resolve(model).image_token_ids(model.config)))
-    # Which layers wrote through the kv-only path (the report counts calls, not layers): the controller calls the
-    # runtime module's `kv_only`, wrapped for the first run only.
-    wrote_kv_only: set[int] = set()
-
-    def recording_kv_only(layer: nn.Module, *args: Any) -> None:
-        wrote_kv_only.add(id(layer))
-        kv_only(layer, *args)
-
     try:
-        with patch.object(runtime, "kv_only", recording_kv_only), adapter.skipping(policy) as report:
+        with adapter.skipping(policy) as report:
             cached = model.generate(**inputs, **options)
         whole = adapter.skipping(policy)
         whole.kv_only_when_all_skip = False  # the skipped layers run and their output is discarded: real K/V
@@ -72,8 +61,7 @@ def check_skip_consistency(model: nn.Module, inputs: Mapping[str, Any], config: 
     if report.layer_calls["kv_only"] == 0:
         raise AssertionError(f"random skipping at rate {rate} wrote no K/V through the kv-only path on these inputs: "
                              "nothing was checked; give one row, more new tokens or a higher rate")
-    layers = resolve(model).get_layers(model)
-    _check_coverage(model, adapter.layout, [id(layer) in wrote_kv_only for layer in layers], config)
+    _check_coverage(model, adapter.layout, report.kv_only_layers, config)
     if torch.equal(cached.sequences, through_layers.sequences):
         wrong = _differing_layers(cached.past_key_values, through_layers.past_key_values, kv_rtol)
         if wrong:
@@ -110,7 +98,7 @@ def _differing_layers(cache: Any, reference: Any, rtol: float) -> list[str]:
     return wrong
 
 
-def _check_coverage(model: nn.Module, layout: Any, wrote: list[bool], config: RouterConfig | None) -> None:
+def _check_coverage(model: nn.Module, layout: Any, wrote: set[int], config: RouterConfig | None) -> None:
     """Refuse a check that left a kind of attention layer (`layer_types`) out: one that may skip but never wrote
     through the kv-only path, or one kept from skipping here only because the first and last blocks never skip (a
     deeper model of the family runs its kv-only path). Kinds that never skip in use (the spec's never-skip layers,
@@ -130,7 +118,7 @@ def _check_coverage(model: nn.Module, layout: Any, wrote: list[bool], config: Ro
                                      "last blocks never do), so its kv-only path goes unchecked: build the test model "
                                      "with more layers")
             continue
-        if not any(wrote[i] for i in indices):
+        if not wrote.intersection(indices):
             raise AssertionError(f"no {kind!r} layer (layers {indices}) wrote through the kv-only path on these "
                                  "inputs, so that kind went unchecked: give more new tokens or another seed")
 

@@ -363,6 +363,7 @@ class SkipController:
             # An offloading cache prefetches layer i + 1 when layer i writes: every layer keeps writing.
             kv_only(layer, parts, hidden, kwargs)
             self.report.record_layer("kv_only", cost.kv_only(batch, new_tokens), full, is_prefill)
+            self.report.kv_only_layers.add(index)
             return hidden
         if skip is None:
             self.report.record_layer("full", full, full, is_prefill)
@@ -372,6 +373,8 @@ class SkipController:
             kind = "kv_only" if cache is not None else "skipped"
             executed = cost.kv_only(batch, new_tokens) if cache is not None else 0
             self.report.record_layer(kind, executed, full, is_prefill)
+            if cache is not None:
+                self.report.kv_only_layers.add(index)
             return hidden
         self.report.record_layer("mixed", full, full, is_prefill)
         return _map_output(original(*args, **kwargs), lambda out: self._combine(block, hidden, out, skip))
