@@ -60,7 +60,7 @@ def test_ddp_trains_a_lora_healing_whose_removed_layers_get_no_gradient(tmp_path
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("who", ["every process"])
+@pytest.mark.parametrize("who", ["every process"])  # the second rank alone: passes, but failed once in ~14 runs
 def test_a_sigterm_stops_every_rank_at_one_step_saved(tmp_path, who):
     # Lightning's SIGTERM handler broadcast from inside the handler: a pre-empted job (the signal on every rank)
     # hung with nothing saved, and a signal on rank 1 alone aborted in a collective mismatch.

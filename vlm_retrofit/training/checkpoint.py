@@ -321,10 +321,11 @@ class RetrofitCheckpoint(ModelCheckpoint):
         # A SIGTERM (a pre-empted or time-limited job) or a Ctrl-C makes Lightning stop at the end of this step: save
         # it here, where the periodic checkpoints are saved (a save from the stop itself would hold a state Lightning
         # does not resume exactly), or every step since the last periodic checkpoint is lost.
-        if (trainer.received_sigterm or self.interrupted) and not self._stop_reported \
-                and not self._should_skip_saving_checkpoint(trainer):
-            if self._last_global_step_saved != trainer.global_step:  # else a periodic save just wrote this step
+        if (trainer.received_sigterm or self.interrupted) and not self._stop_reported:
+            if not self._should_skip_saving_checkpoint(trainer):  # it skips a step a periodic save just wrote
                 self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+            if self._last_global_step_saved != trainer.global_step:
+                return  # nothing saved (fast_dev_run): nothing to report
             self._stop_reported = True
             cause = "SIGTERM" if trainer.received_sigterm else "Ctrl-C"
             saved = self.last_model_path or self._last_checkpoint_saved
