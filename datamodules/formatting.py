@@ -9,6 +9,8 @@ from typing import Any
 import torch
 from PIL import Image
 
+from vlm_retrofit.backbones.loading import require_chat_template
+
 log = logging.getLogger("vlm_retrofit.datamodules")
 
 
@@ -66,14 +68,16 @@ class ChatFormatter:
     the right (losing the end of a long response); a sample whose prompt alone does not fit is rejected.
     """
 
-    def __init__(self, processor, max_length: int = 512):
+    def __init__(self, processor, max_length: int = 512, source: str = "the backbone"):
         self.processor = processor
         self.tokenizer = getattr(processor, "tokenizer", processor)
+        self.suffix_style = type(processor).__name__.startswith("PaliGemma")  # prompt / suffix, no chat turns
+        if not self.suffix_style:
+            require_chat_template(processor, source, "formats the training samples and their loss mask")
         if self.tokenizer.pad_token is None and self.tokenizer.eos_token is not None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self.max_length = max_length
         self.takes_images = hasattr(processor, "image_processor")
-        self.suffix_style = type(processor).__name__.startswith("PaliGemma")  # prompt / suffix, no chat turns
         self._warned_text_only = False
         self.image_layout = self._probe() if self.takes_images else "none"
         self.can_mix = self.image_layout in ("nested", "flat", "none")

@@ -291,7 +291,8 @@ class WebDatasetDataModule(pl.LightningDataModule):
         if self.formatter is None:
             processor = load_processor(self.processor_name) if isinstance(self.processor_name, str) \
                 else self.processor_name
-            self.formatter = ChatFormatter(processor, self.max_length)
+            source = self.processor_name if isinstance(self.processor_name, str) else "data.processor"
+            self.formatter = ChatFormatter(processor, self.max_length, source=source)
         trainer = self.trainer
         if trainer is not None and self.add_quality_callback and \
                 not any(isinstance(c, DataQualityCallback) for c in trainer.callbacks):

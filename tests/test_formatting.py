@@ -126,6 +126,30 @@ def test_load_processor_from_a_local_folder(tmp_path):
     assert set(batch) == {"input_ids", "attention_mask", "loss_mask"}  # images dropped, text kept
 
 
+@pytest.mark.filterwarnings("ignore:__array__ implementation:DeprecationWarning")  # PaliGemmaProcessor, numpy 2
+def test_a_processor_without_a_chat_template_is_refused_naming_where_it_came_from(tmp_path):
+    from vlm_retrofit.datamodules import WebDatasetDataModule
+    from vlm_retrofit.errors import InputError
+
+    _, processor = tiny_vlm("qwen2_vl")
+    processor.chat_template = processor.tokenizer.chat_template = None
+    with pytest.raises(InputError, match="processor of my/backbone has no chat template.*chat_template.jinja"):
+        ChatFormatter(processor, source="my/backbone")
+    processor.save_pretrained(tmp_path / "base")  # a folder without chat_template.jinja
+    data = WebDatasetDataModule(processor=str(tmp_path / "base"), synthetic_samples=16)
+    with pytest.raises(InputError, match=f"processor of {tmp_path / 'base'} has no chat template"):
+        data.setup("fit")
+    _, tokenizer = tiny_vlm("qwen2")  # a text-only LM: the template sits on the tokenizer
+    tokenizer.chat_template = None
+    with pytest.raises(InputError, match="no chat template"):
+        ChatFormatter(tokenizer)
+    # PaliGemma's processor formats a prompt and a suffix, no chat turns: it needs no template.
+    _, paligemma = tiny_vlm("paligemma")
+    paligemma.chat_template = paligemma.tokenizer.chat_template = None
+    batch, rejected = ChatFormatter(paligemma).collate(_examples()[:1])
+    assert batch is not None and not rejected
+
+
 def _png(img) -> bytes:
     buf = io.BytesIO()
     img.save(buf, format="PNG")

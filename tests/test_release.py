@@ -303,6 +303,29 @@ def test_calibrate_merge_generate_commands(trained, tmp_path, capsys):
     assert "is a release" in capsys.readouterr().err and not (tmp_path / "elsewhere").exists()
 
 
+def test_merge_and_generate_refuse_a_processor_without_a_chat_template_naming_it(trained, tmp_path, capsys,
+                                                                                monkeypatch):
+    import vlm_retrofit.release as release
+
+    _, adapter_dir = trained
+    assert main(["merge", "--ckpt", str(adapter_dir), "--output", str(tmp_path / "release")]) == 0
+    processor_dir = tmp_path / "release" / "processor"
+    (processor_dir / "chat_template.jinja").unlink()  # a release whose processor lost its template
+    capsys.readouterr()
+    assert main(["generate", "--model", str(tmp_path / "release"), "--prompt", "Hi"]) == 1
+    assert f"processor of {processor_dir} has no chat template" in capsys.readouterr().err
+
+    def without_template(*args, **kwargs):
+        loaded = load_trained(*args, **kwargs)
+        loaded.processor.chat_template = loaded.processor.tokenizer.chat_template = None
+        return loaded
+
+    monkeypatch.setattr(release, "load_trained", without_template)  # a base whose processor has none
+    assert main(["merge", "--ckpt", str(adapter_dir), "--output", str(tmp_path / "other")]) == 1
+    assert "processor of tiny:llava has no chat template" in capsys.readouterr().err
+    assert not (tmp_path / "other").exists()
+
+
 def test_merge_and_calibrate_refuse_an_output_that_holds_other_files_or_their_input(trained, tmp_path, capsys):
     # Before: the output folder was replaced whole, whatever it held (the run folder with its checkpoints, or the
     # adapter being merged).

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from .backbones.loading import require_chat_template
 from .files import check_replaceable, write_adapter_folder
 from .release import (Loaded, add_dtype_flag, add_trust_remote_code_flag, is_pruned_release, load_base_model,
                       load_trained, refresh_model_card, summarize_pruning, warn_about_slow_dtype)
@@ -134,8 +135,10 @@ def calibrate_main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def chat_inputs(processor: Any, prompt: str, image: Any | None) -> dict[str, Any]:
-    """Model inputs for one user turn (an image, if given, then the prompt), ending in the assistant's turn."""
+def chat_inputs(processor: Any, prompt: str, image: Any | None, source: str = "the model") -> dict[str, Any]:
+    """Model inputs for one user turn (an image, if given, then the prompt), ending in the assistant's turn.
+    `source` names where the processor came from in a refusal."""
+    require_chat_template(processor, source, "renders the prompt as a user turn")
     content: list[dict[str, Any]] = ([{"type": "image", "image": image}] if image is not None else [])
     content.append({"type": "text", "text": prompt})
     messages = [{"role": "user", "content": content}]
@@ -257,7 +260,7 @@ def generate_main(argv: list[str] | None = None) -> int:
     if ns.dtype is None:
         warn_about_slow_dtype("generate", loaded.model)
     try:
-        inputs = chat_inputs(loaded.processor, ns.prompt, image)
+        inputs = chat_inputs(loaded.processor, ns.prompt, image, _processor_name(loaded, Path(ns.model)))
     except ValueError as error:
         print(f"generate refused: {error}", file=sys.stderr)
         return 1

@@ -17,7 +17,7 @@ from torch import nn
 
 from .backbones import base_fingerprint, unchanged_fingerprint, unwrap_model
 from .backbones.loading import (RELEASE_CONFIG, floating_dtype, half_precision, load_backbone, load_processor,
-                                looks_like_a_folder)
+                                looks_like_a_folder, require_chat_template)
 from .backbones.tied import record_untied_embeddings, untie, with_tied_partners
 from .errors import InputError
 from .hardware import fast_bf16
@@ -488,6 +488,9 @@ def merge(source: str | os.PathLike, output: str | os.PathLike, *, base: str | N
     if loaded.replacement is not None and not pruning:
         raise InputError(f"{source} carries a linear replacement of layers {loaded.replacement[1]}, which only a "
                          "pruned release can use: pass --prune-target (or --prune-blocks) for those layers")
+    if verify or pruning:  # the checks run chat prompts (and a release without a template could not answer one)
+        require_chat_template(loaded.processor, loaded.base_model.get("name", str(source)),
+                              "renders the prompts the merge is checked on")
     inputs = _sample_inputs(loaded.processor) if verify or pruning else None
     if pruning:
         from .pruning import blocks_to_prune, prune_for_release, write_pruned_release

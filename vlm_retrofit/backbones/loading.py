@@ -179,6 +179,23 @@ def load_backbone(name: str, *, trust_remote_code: bool = False, torch_dtype: st
     return model.eval(), load_processor(processor_from or name, **proc_kw)
 
 
+def has_chat_template(processor: Any) -> bool:
+    """Whether `processor` (a processor, or the tokenizer of a text-only LM) can render chats: it or its tokenizer
+    carries a chat template."""
+    tokenizer = getattr(processor, "tokenizer", processor)
+    return bool(getattr(processor, "chat_template", None) or getattr(tokenizer, "chat_template", None))
+
+
+def require_chat_template(processor: Any, source: str, purpose: str) -> None:
+    """Refuse a processor without a chat template, naming where it came from (`source`) and what needs one."""
+    if has_chat_template(processor):
+        return
+    raise InputError(
+        f"the processor of {source} has no chat template, which {purpose}: put the template the model was "
+        "tuned with beside its tokenizer (a chat_template.jinja file, e.g. from the instruct model it came from), "
+        "or use a backbone that ships one; base models without any chat format are not supported")
+
+
 def load_processor(source: str, **kwargs: Any) -> Any:
     """`AutoProcessor.from_pretrained(source)`, or `AutoTokenizer` for a text-only LM (which has no processor).
 
