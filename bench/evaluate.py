@@ -115,34 +115,34 @@ def speed_ratio(model, inputs: dict[str, Any], method: Method, base_method: Meth
 
 @contextlib.contextmanager
 def timed_routing(adapter) -> Iterator[list[float]]:
-    """Accumulate in `spent[0]` the wall-clock seconds spent in `adapter`'s routing: delta pushes and router mixing.
+    """Accumulate in `spent[0]` the wall-clock seconds spent in `adapter`'s router hooks: each forward's stream
+    setup (layer 0's hook), delta pushes, router mixing and the hooks' own Python.
 
     Host time: on CUDA the kernels run asynchronously, so there it counts the launches only.
     """
-    spent, depth = [0.0], [0]
+    spent = [0.0]
 
-    def timed(step: Callable[..., Any]) -> Callable[..., Any]:
+    def timed(hook: Callable[..., Any]) -> Callable[..., Any]:
         def run(*args: Any) -> Any:
-            if depth[0]:  # inside another timed step (the fused step falling back to the two apart)
-                return step(*args)
-            depth[0] += 1
             start = time.perf_counter()
             try:
-                return step(*args)
+                return hook(*args)
             finally:
                 spent[0] += time.perf_counter() - start
-                depth[0] -= 1
         return run
 
-    # Instance attributes shadow the methods the router hooks call: the fused push-and-mix, or the two apart.
-    steps = ("_push_and_mix", "_record_delta", "_mix")
-    for name in steps:
-        setattr(adapter, name, timed(getattr(adapter, name)))
+    # The registered hook functions are swapped for timed ones in place: the same order, the same modules.
+    wrapped = []
+    for handle in adapter._handles:
+        hooks = handle.hooks_dict_ref()
+        if hooks is not None and handle.id in hooks:
+            wrapped.append((hooks, handle.id, hooks[handle.id]))
+            hooks[handle.id] = timed(hooks[handle.id])
     try:
         yield spent
     finally:
-        for name in steps:
-            delattr(adapter, name)
+        for hooks, key, hook in wrapped:
+            hooks[key] = hook
 
 
 @torch.no_grad()
@@ -152,7 +152,7 @@ def routing_share(model, adapter, inputs: dict[str, Any], pad_token_id: int, *, 
 
     A wall-clock ratio against the base moves by several per cent between calls on a busy CPU; this share is
     measured inside one call, so it resolves the router overhead (1 / (1 - share)) far more finely. It leaves
-    out the hook dispatch and any slowdown routing causes in the layers themselves (evicted caches).
+    out the dispatch of the hooks and any slowdown routing causes in the layers themselves (evicted caches).
     """
     best_total, best_share = math.inf, 0.0
     for _ in range(rounds):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import warnings
 from collections import Counter
 from typing import Any, Mapping
@@ -158,9 +159,11 @@ class DataQualityCallback(pl.Callback):
     `data/bad_fraction` and, for weighted sources (`train_weights`), `data/source_share/<i>`: the fraction of
     rank 0's samples that came from source i. Each validation and test pass logs its own
     `val/data/skipped/<reason>` and `val/data/samples` (`test/...`), and a pass that left samples out (predict too)
-    warns with the counts. Raises `DataQualityError` (naming the worst shards) when the bad fraction exceeds
-    `max_bad_fraction` after at least `min_samples` samples; also checked after every `check_every_n_batches`
-    batches so a broken data set stops a run early. It removes `skipped_shards` from the batch (not a model input).
+    warns with the counts. When the bad fraction of the samples this fit drew exceeds `max_bad_fraction` after at
+    least `min_samples` of them (checked at every epoch end and every `check_every_n_batches` batches, so a broken
+    data set stops a run early), training stops at the end of that step, the checkpoint callback saves it, and
+    `fit` raises `DataQualityError` naming the worst shards and the checkpoint. It removes `skipped_shards` from the
+    batch (not a model input).
     """
 
     def __init__(self, max_bad_fraction: float = 0.05, min_samples: int = 100, check_every_n_batches: int = 50):
@@ -172,11 +175,18 @@ class DataQualityCallback(pl.Callback):
         self.eval_tracker = DataQualityTracker()
         """The current validation / test / predict pass's counts (not saved: each pass counts its own)."""
         self._restored_run_totals = False
+        self._fit_start: tuple[dict[str, int], int] = ({}, 0)
+        """This rank's counts when this fit started: the stop rule reads the counts since (summed over ranks)."""
+        self.stop_error: DataQualityError | None = None
+        """The reason this fit is stopping on bad data, raised once the stop is saved (`on_fit_end`)."""
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if isinstance(batch, dict):
             self.tracker.update(batch)
             batch.pop("skipped_shards", None)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        # After the step, where the checkpoint callback saves: a stop here is saved at this step (`on_fit_end`).
         if self.check_every_n_batches and (batch_idx + 1) % self.check_every_n_batches == 0:
             self._check(trainer, pl_module)
 
@@ -231,20 +241,47 @@ class DataQualityCallback(pl.Callback):
             rank_zero_warn(f"{stage}: {bad} of {bad + good} samples were unusable and left out of this pass's "
                            f"metrics [{by_reason}]; worst shards (this rank): {worst or 'unknown'}")
 
-    def _reduced(self, trainer, pl_module, tracker: DataQualityTracker | None = None
-                 ) -> tuple[dict[str, int], int, dict[str, int]]:
+    def _reduced(self, trainer, pl_module, tracker: DataQualityTracker | None = None,
+                 since: tuple[dict[str, int], int] | None = None) -> tuple[dict[str, int], int, dict[str, int]]:
+        """Skip counts by reason, usable samples and skips by shard (this rank's) of `tracker`, the counts summed
+        over ranks; counted from `since` (this rank's counts at some point) where given."""
         tracker = tracker or self.tracker
-        totals = tracker.totals()
+        totals, good = tracker.totals(), tracker.num_good
+        if since is not None:
+            totals = {reason: n - since[0].get(reason, 0) for reason, n in totals.items()}
+            good -= since[1]
         names = list(totals)
-        values = torch.tensor([*totals.values(), tracker.num_good], dtype=torch.float64)
+        values = torch.tensor([*totals.values(), good], dtype=torch.float64)
         if trainer.world_size > 1:  # same decision on every rank: no rank stops alone
             values = trainer.strategy.reduce(values.to(pl_module.device), reduce_op="sum").cpu()
         vals = [int(v) for v in values.tolist()]
         return dict(zip(names, vals[:-1])), vals[-1], dict(tracker.shards)
 
     def _check(self, trainer, pl_module) -> None:
-        totals, good, shards = self._reduced(trainer, pl_module)
-        check_bad_fraction(totals, good, self.max_bad_fraction, self.min_samples, shards)
+        """Stop training at the end of this step where the samples this fit drew (summed over ranks: every rank
+        decides alike) hold too many unusable ones. The run is saved as it stops and `on_fit_end` raises the
+        `DataQualityError`: nothing trained is lost, and a run resumed on repaired shards is judged on what it
+        draws from them, not on the bad samples it counted before (the logged totals still cover the whole run)."""
+        if self.stop_error is not None:
+            return
+        totals, good, shards = self._reduced(trainer, pl_module, since=self._fit_start)
+        try:
+            check_bad_fraction(totals, good, self.max_bad_fraction, self.min_samples, shards)
+        except DataQualityError as error:
+            from vlm_retrofit.training.checkpoint import stop_after_this_step
+
+            self.stop_error = error
+            stop_after_this_step(trainer)
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        error, self.stop_error = self.stop_error, None
+        if error is None:
+            return
+        saved = getattr(trainer.checkpoint_callback, "last_model_path", "") or ""
+        where = (f"; saved there as {saved}: `--ckpt_path last` resumes from it once the shards are repaired"
+                 if saved and os.path.isfile(saved) else
+                 ", unsaved: the trainer's checkpoint callback keeps no last checkpoint (save_last)")
+        raise DataQualityError(f"{error} Training stopped at step {trainer.global_step}{where}.")
 
     def state_dict(self) -> dict[str, Any]:
         return {"tracker": self.tracker.state_dict()}
@@ -271,4 +308,6 @@ class DataQualityCallback(pl.Callback):
         if self._restored_run_totals and trainer.global_rank != 0:
             self.tracker = DataQualityTracker()  # rank 0 carries the run's totals; this rank counts its own anew
         self._restored_run_totals = False
+        self._fit_start = (self.tracker.totals(), self.tracker.num_good)
+        self.stop_error = None
 

@@ -194,8 +194,9 @@ class WebDatasetDataModule(pl.LightningDataModule):
                 cannot mix).
             max_image_pixels: images with more pixels are skipped (`huge_image`) without being decoded.
             max_image_side: images with a longer side are downscaled (aspect kept) before the processor.
-            max_bad_fraction: stop training if more than this fraction of samples is unusable.
-            min_samples_for_check: do not apply max_bad_fraction before this many samples were seen.
+            max_bad_fraction: stop training (at the end of the step, saved) once more than this fraction of the samples
+                a `fit` drew is unusable; a resumed fit counts its own draws.
+            min_samples_for_check: do not apply max_bad_fraction before a fit drew this many samples.
             synthetic_samples: number of synthetic samples when train_shards is None.
             text_only_fraction: fraction of text-only conversations mixed into the synthetic data.
             persistent_workers: keep DataLoader workers alive between epochs.

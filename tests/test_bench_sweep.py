@@ -368,6 +368,7 @@ def test_routing_time_accumulates_over_forwards_and_leaves_the_adapter_as_it_was
     model, tokenizer = tiny_vlm("llama", num_hidden_layers=4)
     adapter = attach_routers(model, RouterConfig(block_size=1))
     inputs = dict(tiny_inputs(tokenizer, batch=1))
+    hooks = [handle.hooks_dict_ref()[handle.id] for handle in adapter._handles]
     with torch.no_grad():
         reference = model(**inputs).logits
         with timed_routing(adapter) as spent:
@@ -376,11 +377,11 @@ def test_routing_time_accumulates_over_forwards_and_leaves_the_adapter_as_it_was
             model(**inputs)
     assert torch.equal(timed, reference)  # timing does not change what is computed
     assert 0 < one_forward < spent[0]  # every forward adds to it
-    assert "_mix" not in adapter.__dict__ and "_record_delta" not in adapter.__dict__  # the methods are back
+    assert [handle.hooks_dict_ref()[handle.id] for handle in adapter._handles] == hooks  # the hooks are back
     share = routing_share(model, adapter, inputs, tokenizer.pad_token_id or 0, rounds=2, new_tokens=3)
     assert 0 < share < 1
-    with adapter.disabled():  # the base function routes nothing
-        assert routing_share(model, adapter, inputs, tokenizer.pad_token_id or 0, rounds=1, new_tokens=3) == 0
+    with adapter.disabled():  # the base function routes nothing: its hooks return at once
+        assert routing_share(model, adapter, inputs, tokenizer.pad_token_id or 0, rounds=1, new_tokens=3) < share / 3
 
 
 def test_paired_speed_ratios_alternate_the_order_so_a_drifting_machine_favours_neither_side(monkeypatch):

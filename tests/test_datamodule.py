@@ -365,6 +365,35 @@ def test_counts_logged_every_epoch_and_bad_data_stops_training(bad_shards):
         _fit(dm)
 
 
+def test_a_bad_data_stop_is_saved_and_a_run_resumed_on_repaired_shards_goes_on(bad_shards, tmp_path):
+    from vlm_retrofit.training import RetrofitCheckpoint, inspect_checkpoint
+
+    urls, _, _ = bad_shards
+
+    def fit(train_shards, ckpt_path=None):
+        quality = DataQualityCallback(max_bad_fraction=0.01, min_samples=10, check_every_n_batches=5)
+        trainer = pl.Trainer(max_steps=30, accelerator="cpu", logger=False, enable_progress_bar=False,
+                             enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+                             callbacks=[quality, RetrofitCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)])
+        trainer.fit(_Consumer(), datamodule=_dm(train_shards, train_samples_per_epoch=60), ckpt_path=ckpt_path)
+        return trainer, quality
+
+    # Before: the stop raised at the start of a batch, unsaved: every step since the last periodic save was lost.
+    with pytest.raises(DataQualityError, match=r"Training stopped at step 5; saved there as .*last\.ckpt"):
+        fit(urls)
+    last = tmp_path / "ckpt" / "last.ckpt"
+    assert inspect_checkpoint(last)["global_step"] == 5
+    skipped = torch.load(last, weights_only=True)["callbacks"]["DataQualityCallback"]["tracker"]["skipped"]
+    assert sum(skipped.values()) > 0
+    repaired = tmp_path / "repaired.tar"
+    write_tar(repaired, [(f"fixed{i:03d}", _good(i)) for i in range(12)])
+    # Before: a resumed run was judged on the run's totals, the old shards' bad samples included, and stopped again at
+    # its first check whatever its shards were now.
+    trainer, quality = fit([str(repaired)], ckpt_path=str(last))
+    assert trainer.global_step == 30
+    assert quality.tracker.totals() == {**quality.tracker.totals(), **skipped}  # the run's totals keep the old skips
+
+
 def _two_sources(tmp_path, per_shard=20):
     """Sources a and b, two shards of `per_shard` captioned images each; keys say the source."""
     for name in "ab":

@@ -1,5 +1,6 @@
 """Two-process DDP on CPU (gloo) with the WebDataset stream, through the real command line."""
 
+import json
 import os
 import subprocess
 import sys
@@ -10,12 +11,13 @@ import torch
 from vlm_retrofit.training import RetrofitModule, inspect_checkpoint
 
 
-def _fit_on_two_processes(tmp_path, *args: str) -> str:
-    """Run `fit` with Lightning's plain `ddp` (no find_unused_parameters) on 2 CPU processes; returns the output."""
+def _fit_on_two_processes(tmp_path, *args: str, subcommand: str = "fit") -> str:
+    """Run `fit` (or another `subcommand`) with Lightning's plain `ddp` (no find_unused_parameters) on 2 CPU
+    processes; returns the output."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
            "PL_DISABLE_FORK": "1"}
     command = [
-        sys.executable, "-m", "vlm_retrofit", "fit",
+        sys.executable, "-m", "vlm_retrofit", subcommand,
         "--trainer.accelerator", "cpu", "--trainer.devices", "2", "--trainer.strategy", "ddp",
         "--trainer.max_steps", "4", "--trainer.enable_progress_bar", "false",
         "--trainer.limit_val_batches", "2", "--trainer.val_check_interval", "2",
@@ -42,6 +44,12 @@ def test_two_process_ddp_on_cpu(tmp_path):
     assert any((state[k] - init[k]).abs().max() > 1e-4 for k in init)
     metrics = (tmp_path / "runs" / "tiny" / "logs" / "version_0" / "metrics.csv").read_text()
     assert "val/kl" in metrics and "train/keep_realised" in metrics, output[-3000:]  # validation ran on both ranks
+    # Each process scores its own share of the batches: every one is written and averaged, not rank 0's alone.
+    output = _fit_on_two_processes(tmp_path, "--ckpt_path", "last", "--trainer.limit_predict_batches", "2",
+                                   subcommand="predict")
+    rows = [json.loads(line) for line in (tmp_path / "runs" / "tiny" / "predictions.jsonl").read_text().splitlines()]
+    assert sorted((row["rank"], row["batch"]) for row in rows) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert "vlm_retrofit predict: 4 batches from 2 processes" in output
 
 
 @pytest.mark.slow

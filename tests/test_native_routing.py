@@ -356,3 +356,53 @@ def test_fused_router_at_uniform_routing_is_the_residual_sum_bit_for_bit():
             residual = residual + stack.source(n)
             routed_input, _ = DepthRouter(64, n + 1, source_bias=True)(stack)
             assert torch.equal(routed_input, residual), n
+
+
+@needs_compiler
+def test_decoding_steps_reuse_their_stream_unless_something_holds_what_it_handed_out(monkeypatch):
+    """A decoding step routes in the last step's buffers (a new stream costs a third of a step's routing), gives the
+    same logits as in new buffers, and leaves alone any tensor the last step handed out that is still held."""
+    from transformers import DynamicCache
+
+    model, tokenizer = tiny_vlm("llama", num_hidden_layers=4)
+    adapter = attach_routers(model, RouterConfig(block_size=1, init_scale=0.5))
+    inputs = tiny_inputs(tokenizer, batch=1)
+
+    def decode(steps: int):
+        """Prefill, then `steps` greedy decoding forwards: each step's logits and the stream it routed in."""
+        cache = DynamicCache(config=model.config)
+        with torch.no_grad():
+            out = model(**inputs, past_key_values=cache, use_cache=True)
+            logits, stacks = [], []
+            for _ in range(steps):
+                token = out.logits[:, -1:].argmax(-1)
+                out = model(input_ids=token, past_key_values=cache, use_cache=True)
+                logits.append(out.logits)
+                stacks.append(adapter._state.stack)
+        return logits, stacks
+
+    logits, stacks = decode(4)
+    assert all(stack is stacks[0] for stack in stacks)  # one stream for every decoding step
+    monkeypatch.setattr(SourceStack, "restart", lambda self, first: False)
+    fresh_logits, fresh_stacks = decode(4)
+    assert len({id(stack) for stack in fresh_stacks}) == 4
+    for reused, fresh in zip(logits, fresh_logits):
+        assert torch.equal(reused, fresh)
+    monkeypatch.undo()
+
+    held = {}
+    layer_input = model.model.layers[2].register_forward_hook(  # a layer's (routed) input, kept by a caller
+        lambda module, args, output: held.setdefault("input", args[0]))
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(**inputs, past_key_values=cache, use_cache=True)
+        model(input_ids=inputs["input_ids"][:, -1:], past_key_values=cache, use_cache=True)
+        weights = adapter.last_routing_weights
+        first_stack = adapter._state.stack
+        saved = {"input": held["input"].clone(), **{key: alpha.clone() for key, alpha in weights.items()}}
+        model(input_ids=inputs["input_ids"][:, -2:-1], past_key_values=cache, use_cache=True)
+    layer_input.remove()
+    assert adapter._state.stack is not first_stack  # the held tensors point into the last step's buffers
+    assert torch.equal(held["input"], saved.pop("input"))
+    for key, alpha in saved.items():
+        assert torch.equal(weights[key], alpha)

@@ -293,17 +293,32 @@ def _warn_about_slow_bf16(trainer, model) -> None:
         rank_zero_warn(message)
 
 
-def _report_predictions(trainer) -> None:
-    """`predict` computed KL and compute per batch: write them to <root>/predictions.jsonl and print their means
-    (rank zero; Lightning keeps the predictions of one process)."""
-    import json
+def _gathered_predictions(trainer) -> list[list[list[dict]]]:
+    """Every process's predictions (rank order), each a list per dataloader of its per-batch dicts. Under DDP each
+    process scored its own share of the batches and Lightning keeps them where they were computed: gathered here
+    (a collective, so every rank calls it)."""
+    import torch.distributed as dist
 
-    if trainer.global_rank != 0:
-        return
     predictions = trainer.predict_loop.predictions or []
     loaders = predictions if predictions and isinstance(predictions[0], list) else [predictions]  # per dataloader
-    rows = [{"dataloader": d, "batch": i, **b} for d, loader in enumerate(loaders) for i, b in enumerate(loader)]
-    batches = [b for loader in loaders for b in loader]
+    if trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
+        gathered: list[Any] = [None] * trainer.world_size
+        dist.all_gather_object(gathered, loaders)
+        return gathered
+    return [loaders]
+
+
+def _report_predictions(trainer) -> None:
+    """`predict` computed KL and compute per batch: write them, every process's, to <root>/predictions.jsonl and
+    print their means (rank zero)."""
+    import json
+
+    processes = _gathered_predictions(trainer)
+    if trainer.global_rank != 0:
+        return
+    rows = [{**({"rank": r} if len(processes) > 1 else {}), "dataloader": d, "batch": i, **b}
+            for r, loaders in enumerate(processes) for d, loader in enumerate(loaders) for i, b in enumerate(loader)]
+    batches = [b for loaders in processes for loader in loaders for b in loader]
     path = Path(trainer.default_root_dir) / "predictions.jsonl"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
@@ -312,7 +327,7 @@ def _report_predictions(trainer) -> None:
         print(f"vlm_retrofit predict: no scored tokens in {len(batches)} batches; wrote {path}", flush=True)
         return
     mean = {k: sum(b[k] * b["tokens"] for b in batches) / tokens for k in ("kl", "compute_realised")}
-    share = f" (process 0 of {trainer.world_size}: its share of the batches)" if trainer.world_size > 1 else ""
+    share = f" from {len(processes)} processes" if len(processes) > 1 else ""
     print(f"vlm_retrofit predict: {len(batches)} batches{share}, {tokens} scored tokens: KL to the frozen model "
           f"{mean['kl']:.4g}, decoder compute realised {mean['compute_realised']:.3f} (skips sampled as in training); "
           f"per batch in {path}", flush=True)

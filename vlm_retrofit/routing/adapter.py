@@ -182,7 +182,10 @@ class RouterAdapter(nn.Module):
             controller = self._controller
             if block == 0:
                 self._follow_device(hidden)
-                stack = SourceStack(hidden, self.layout.num_blocks + 1, self.config.key_norm_eps)
+                previous = self._state.stack
+                self._state = StreamState()  # the last forward's own hold on its stream goes before it is reused
+                stack = (previous if previous is not None and previous.restart(hidden)
+                         else SourceStack(hidden, self.layout.num_blocks + 1, self.config.key_norm_eps))
                 # Read before layer 0 writes: the tokens the cache already holds (0 in prefill or without one).
                 context = int(cache.get_seq_length()) if hasattr(cache, "get_seq_length") else 0
                 self._state = StreamState(stack=stack, routed_input=hidden, context_length=context)

@@ -75,6 +75,21 @@ class SourceStack:
             self._present = []
         self.push(first)
 
+    def restart(self, first: Tensor) -> bool:
+        """Start another forward on this stream's buffers with `first` as s_0, where that forward has the last one's
+        shape and the fused kernels took both, and no tensor the last one handed out is held anywhere (see
+        `NativeStream.restart`). False, with nothing changed, otherwise: then build a new stack."""
+        if (self.native is None or torch.is_grad_enabled() or first.shape != self.shape or first.dtype != self.dtype
+                or first.device != self.device or not self.native.restart()):
+            return False
+        if self.any_absent:
+            self._present.fill_(True)
+        self._count = self._dropped = 0
+        self._slots = self._slot_index = None
+        self.any_absent = False
+        self.push(first)
+        return True
+
     @cached_property
     def zero(self) -> Tensor:
         """A 0-d fp32 zero: the ignored `input` of the PyTorch routers' addmm (beta = 0)."""

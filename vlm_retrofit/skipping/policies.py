@@ -268,14 +268,14 @@ class RandomPolicy(SkipPolicy):
     def _decisions(self, state: Any, num_blocks: int) -> Tensor:
         """Bool [num_blocks, B, T]: every block's decisions for this forward, computed together at its first block
         (a dozen small integer ops per block would cost more than a decoding step's block)."""
-        stack = state.stack
-        if self._decided is not None and self._decided[0]() is stack:
+        # Keyed by the forward's state, not its stream: a decoding step reuses the last one's stream.
+        if self._decided is not None and self._decided[0]() is state:
             return self._decided[1]
         hashed = self._token_hash(state)
         block_keys = torch.arange(1, num_blocks + 1, dtype=torch.int64, device=hashed.device) * 0x632BE5AB
         mixed = self._mix((hashed + block_keys.view(-1, *[1] * hashed.dim())) & self._MASK)
         decisions = mixed.double() / (self._MASK + 1) < self.rate
-        self._decided = (weakref.ref(stack), decisions)
+        self._decided = (weakref.ref(state), decisions)
         return decisions
 
     def skip_mask(self, block: int, state: Any, adapter: Any) -> Tensor | None:

@@ -217,7 +217,7 @@ def check_nothing_to_resume_is_missed(trainer: "pl.Trainer") -> None:
             "vlm_retrofit.training.RetrofitCheckpoint, the default, has) to resume by `last`")
 
 
-def _stop(trainer: "pl.Trainer") -> None:
+def stop_after_this_step(trainer: "pl.Trainer") -> None:
     """Stop at the end of this step, even short of `min_steps` / `min_epochs` (Lightning would run on to them)."""
     trainer.should_stop = True
     trainer.fit_loop.min_epochs = None
@@ -283,7 +283,7 @@ class RetrofitCheckpoint(ModelCheckpoint):
         if self.interrupted:
             raise KeyboardInterrupt  # the second one: Lightning's own interrupt, nothing saved
         self.interrupted = True
-        _stop(trainer)
+        stop_after_this_step(trainer)
         if trainer.is_global_zero:
             print("\nCtrl-C: stopping at the end of this step and saving it, after the validation Lightning runs on "
                   "stopping (Ctrl-C again stops at once, unsaved)", file=sys.stderr, flush=True)
@@ -314,7 +314,7 @@ class RetrofitCheckpoint(ModelCheckpoint):
             # a step before another's, or alone; a SIGTERM reaches the ranks at different moments, or one alone.
             if trainer.strategy.reduce_boolean_decision(self.interrupted, all=False) and not self.interrupted:
                 self.interrupted = True
-                _stop(trainer)
+                stop_after_this_step(trainer)
             if trainer.strategy.reduce_boolean_decision(self.terminated, all=False):
                 self.terminated = True
                 trainer._signal_connector.received_sigterm = True  # Lightning then stops after this step, everywhere
