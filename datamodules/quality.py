@@ -37,7 +37,9 @@ warnings.filterwarnings("ignore", message=r"It is recommended to use `self.log\(
 
 
 class DataQualityError(InputError, RuntimeError):
-    """Too large a fraction of the training samples was unusable: refused as input (`fit refused: ...`, one line)."""
+    """Too large a fraction of the samples was unusable: reported as input (`fit stopped: ...`, one line)."""
+
+    verb = "stopped"  # the run got under way (and a training stop is saved) before the data showed itself bad
 
 
 class SkipCounter:

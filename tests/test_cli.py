@@ -141,6 +141,12 @@ def test_validate_test_and_predict_from_a_checkpoint(tmp_path, monkeypatch, caps
     last = str(tmp_path / "runs" / "tiny" / "checkpoints" / "last.ckpt")
     for command in ("validate", "test", "predict"):
         assert main([command, *data, "--ckpt_path", last]) == 0, command
+    # Before: `last` of a run folder without one evaluated (and predicted with) the untrained routers, exit 0.
+    for command in ("validate", "predict"):
+        assert main([command, *data, "--trainer.default_root_dir", "elsewhere", "--ckpt_path", "last"]) == 1
+        assert re.search(rf"{command} refused: .*no last\.ckpt in .*elsewhere.*nothing trained to evaluate",
+                         capsys.readouterr().err)
+    assert not (tmp_path / "elsewhere" / "predictions.jsonl").exists()
     # A checkpoint file fills in the model settings left at their defaults only (Lightning's CLI took all of them,
     # dropping the backbone given): another backbone is refused, given a file or `last`.
     for path in (last, "last"):

@@ -4,6 +4,7 @@ import io
 import itertools
 import json
 import logging
+import re
 import warnings
 from collections import Counter
 
@@ -392,6 +393,23 @@ def test_a_bad_data_stop_is_saved_and_a_run_resumed_on_repaired_shards_goes_on(b
     trainer, quality = fit([str(repaired)], ckpt_path=str(last))
     assert trainer.global_step == 30
     assert quality.tracker.totals() == {**quality.tracker.totals(), **skipped}  # the run's totals keep the old skips
+
+
+def test_the_command_line_says_a_bad_data_stop_was_saved(bad_shards, tmp_path, capsys):
+    from vlm_retrofit.cli import main
+
+    urls, _, _ = bad_shards
+    root = tmp_path / "run"
+    assert main(["fit", "--data.init_args.train_shards", json.dumps(urls), "--data.init_args.val_shards",
+                 json.dumps(urls), "--data.init_args.max_image_pixels", "20000", "--data.init_args.num_workers", "0",
+                 "--data.init_args.batch_size", "3", "--data.init_args.train_samples_per_epoch", "12",
+                 "--data.init_args.max_bad_fraction", "0.01", "--data.init_args.min_samples_for_check", "6",
+                 "--trainer.max_steps", "20", "--trainer.limit_val_batches", "0", "--trainer.enable_progress_bar",
+                 "false", "--trainer.default_root_dir", str(root)]) == 1
+    # Before: "fit refused: ..." (as if nothing had run) and no checkpoint of the steps trained.
+    err = capsys.readouterr().err
+    assert re.search(r"fit stopped: \d+ of \d+ training samples .* were unusable.*Training stopped at step 4; saved "
+                     r"there as .*last\.ckpt", err) and "Traceback" not in err
 
 
 def _two_sources(tmp_path, per_shard=20):

@@ -1,5 +1,7 @@
 """Fused C routing kernels for decoding: the same function as the PyTorch path, and a safe fallback."""
 
+import gc
+
 import pytest
 import torch
 
@@ -381,7 +383,11 @@ def test_decoding_steps_reuse_their_stream_unless_something_holds_what_it_handed
                 stacks.append(adapter._state.stack)
         return logits, stacks
 
-    logits, stacks = decode(4)
+    gc.disable()  # a reference cycle holding the last step's state would keep its buffers in use until collected
+    try:
+        logits, stacks = decode(4)
+    finally:
+        gc.enable()
     assert all(stack is stacks[0] for stack in stacks)  # one stream for every decoding step
     monkeypatch.setattr(SourceStack, "restart", lambda self, first: False)
     fresh_logits, fresh_stacks = decode(4)
@@ -391,8 +397,11 @@ def test_decoding_steps_reuse_their_stream_unless_something_holds_what_it_handed
     monkeypatch.undo()
 
     held = {}
-    layer_input = model.model.layers[2].register_forward_hook(  # a layer's (routed) input, kept by a caller
-        lambda module, args, output: held.setdefault("input", args[0]))
+
+    def keep_input(module, args, output):  # a layer's (routed) input, kept by a caller
+        held.setdefault("input", args[0])
+
+    layer_input = model.model.layers[2].register_forward_hook(keep_input)
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
         model(**inputs, past_key_values=cache, use_cache=True)
@@ -406,3 +415,15 @@ def test_decoding_steps_reuse_their_stream_unless_something_holds_what_it_handed
     assert torch.equal(held["input"], saved.pop("input"))
     for key, alpha in saved.items():
         assert torch.equal(weights[key], alpha)
+
+
+def test_a_layer_output_of_another_shape_is_refused_not_written_past_the_stream():
+    """A forward hook that returns a value replaces the layer's output: a wrong shape made the fallback's `out=` resize
+    a buffer the kernels point into (memory corruption, a crash later); it is refused by name."""
+    model, tokenizer = tiny_vlm("llama", num_hidden_layers=4)
+    attach_routers(model, RouterConfig(block_size=1))
+    inputs = tiny_inputs(tokenizer, batch=1)
+    other = torch.zeros(1, 3, model.config.hidden_size)
+    model.model.layers[1].register_forward_hook(lambda module, args, output: other)
+    with torch.no_grad(), pytest.raises(RuntimeError, match=r"does a hook on a decoder layer return a value"):
+        model(input_ids=inputs["input_ids"][:, :1])

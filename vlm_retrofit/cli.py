@@ -105,7 +105,7 @@ def _lightning_cli_class():
     from lightning.pytorch.cli import LightningCLI
 
     from .training import RetrofitCheckpoint, RetrofitModule, RunCSVLogger
-    from .training.checkpoint import check_nothing_to_resume_is_missed, use_run_folder
+    from .training.checkpoint import check_last_to_evaluate, check_nothing_to_resume_is_missed, use_run_folder
 
     # RouterConfig documents its fields as attribute docstrings: without this, `--model.router.*` had no help text.
     set_parsing_settings(docstring_parse_attribute_docstrings=True)
@@ -179,7 +179,10 @@ def _lightning_cli_class():
 
         def before_validate(self) -> None:
             _warn_about_slow_bf16(self.trainer, self.model)
-            _warn_without_checkpoint(self.config_init[self.subcommand].get("ckpt_path"), self.subcommand)
+            ckpt_path = self.config_init[self.subcommand].get("ckpt_path")
+            if ckpt_path == "last":
+                check_last_to_evaluate(self.trainer, self.subcommand)
+            _warn_without_checkpoint(ckpt_path, self.subcommand)
 
         before_test = before_predict = before_validate
 
@@ -402,6 +405,46 @@ def run_lightning(argv: list[str] | None):
     )
 
 
+def _lightning_main(command: str, args: Sequence[str] | None, argv: list[str]) -> int:
+    """`main` for fit / validate / test / predict: Lightning's CLI, with refusals in one line."""
+    try:
+        cli = run_lightning(None if args is None else argv)  # None: LightningCLI reads sys.argv itself
+    except SystemExit as exit_:  # --help, --print_config, parse errors; a run stopped by SIGTERM
+        from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+        if isinstance(exit_, SIGTERMException):  # raised with no code: not a success
+            return 128 + 15
+        code = exit_.code
+        return code if isinstance(code, int) else (0 if code is None else 1)
+    except Exception as error:
+        # Refusals of what the user gave (a setting that cannot work, an unsupported family, shards that cannot
+        # be read, a checkpoint that does not fit this run, nothing to resume): one line; anything else is a bug
+        # worth its traceback.
+        refusal = input_error(error)
+        if refusal is None:
+            raise
+        print(f"{command} {refusal.verb}: {refusal_text(refusal)}", file=sys.stderr)
+        return 1
+    trainer = getattr(cli, "trainer", None)
+    if any(getattr(callback, "interrupted", False) for callback in getattr(trainer, "callbacks", [])):
+        return 128 + 2  # stopped by Ctrl-C (the step it stopped at saved): not a success either
+    stop_reason = getattr(getattr(cli, "model", None), "stop_reason", None)
+    if stop_reason:
+        print(stop_reason, file=sys.stderr)
+        return 1
+    return 0
+
+
+def _end_process_group() -> None:
+    """Close the process group a multi-process run opened (Lightning leaves it open). Left to the interpreter's exit,
+    gloo's worker threads outlived it and a finished run could abort there ("terminate called without an active
+    exception", exit status -6), once in a test run of DDP predict."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def main(args: Sequence[str] | None = None) -> int:
     """Run one subcommand; returns its exit status (0 on success)."""
     argv = list(sys.argv[1:] if args is None else args)
@@ -411,31 +454,9 @@ def main(args: Sequence[str] | None = None) -> int:
     command, rest = argv[0], argv[1:]
     if command in LIGHTNING_SUBCOMMANDS:
         try:
-            cli = run_lightning(None if args is None else argv)  # None: LightningCLI reads sys.argv itself
-        except SystemExit as exit_:  # --help, --print_config, parse errors; a run stopped by SIGTERM
-            from lightning.pytorch.utilities.exceptions import SIGTERMException
-
-            if isinstance(exit_, SIGTERMException):  # raised with no code: not a success
-                return 128 + 15
-            code = exit_.code
-            return code if isinstance(code, int) else (0 if code is None else 1)
-        except Exception as error:
-            # Refusals of what the user gave (a setting that cannot work, an unsupported family, shards that cannot
-            # be read, a checkpoint that does not fit this run, nothing to resume): one line; anything else is a bug
-            # worth its traceback.
-            refusal = input_error(error)
-            if refusal is None:
-                raise
-            print(f"{command} refused: {refusal_text(refusal)}", file=sys.stderr)
-            return 1
-        trainer = getattr(cli, "trainer", None)
-        if any(getattr(callback, "interrupted", False) for callback in getattr(trainer, "callbacks", [])):
-            return 128 + 2  # stopped by Ctrl-C (the step it stopped at saved): not a success either
-        stop_reason = getattr(getattr(cli, "model", None), "stop_reason", None)
-        if stop_reason:
-            print(stop_reason, file=sys.stderr)
-            return 1
-        return 0
+            return _lightning_main(command, args, argv)
+        finally:
+            _end_process_group()
     if command not in SUBCOMMANDS or not _available(command):
         print(f"unknown subcommand {command!r}. {_usage()}", file=sys.stderr)
         return 2

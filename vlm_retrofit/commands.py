@@ -14,8 +14,8 @@ import torch
 
 from .backbones.loading import require_chat_template
 from .files import check_replaceable, write_adapter_folder
-from .release import (Loaded, add_dtype_flag, add_trust_remote_code_flag, is_pruned_release, load_base_model,
-                      load_trained, refresh_model_card, summarize_pruning, warn_about_slow_dtype)
+from .release import (HelpFormatter, Loaded, add_dtype_flag, add_trust_remote_code_flag, is_pruned_release,
+                      load_base_model, load_trained, refresh_model_card, summarize_pruning, warn_about_slow_dtype)
 from .skipping import POLICIES, SkipController, calibrate
 
 
@@ -40,7 +40,7 @@ def _adapter_output(loaded: Loaded, source: Path, output: str | None) -> tuple[P
 
 def calibrate_main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m vlm_retrofit calibrate", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        prog="python -m vlm_retrofit calibrate", formatter_class=HelpFormatter,
         description="Set per-block skip thresholds that skip a target share of the decoder-layer executions on "
                     "calibration shards, measure what generating with them saves and how its answers agree with "
                     "unskipped generation, and store both with the adapter.")
@@ -217,7 +217,7 @@ def _skip_options_problem(ns: argparse.Namespace) -> str | None:
 
 def generate_main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m vlm_retrofit generate",
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                                     formatter_class=HelpFormatter,
                                      description="Answer one prompt (optionally about an image) with block skipping, "
                                                  "and print the compute report.")
     parser.add_argument("--model", required=True, help="checkpoint (.ckpt), router adapter folder or release folder")

@@ -20,7 +20,6 @@ from .backbones.loading import (RELEASE_CONFIG, floating_dtype, half_precision, 
                                 looks_like_a_folder, require_chat_template)
 from .backbones.tied import record_untied_embeddings, untie, with_tied_partners
 from .errors import InputError
-from .hardware import fast_bf16
 from .files import LORA_FILES, atomic_write, check_complete, check_replaceable, staged_folder
 from .routing import AdapterMismatchError, RouterAdapter, RouterConfig, attach_routers, check_fingerprint
 from .replacement import load_replacements
@@ -259,6 +258,16 @@ def summarize_pruning(directory: str | os.PathLike) -> str:
             f"{100 * pruned['layer_compute_removed']:.1f} % of decoder-layer compute saved on every token")
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends "(default: ...)" to an option's help unless its help already says its default or it has none."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help_text = action.help or ""
+        if action.default is None or "default" in help_text:
+            return help_text
+        return super()._get_help_string(action)
+
+
 def add_dtype_flag(parser: Any) -> None:
     """`--dtype` for the commands that load what training or merging wrote."""
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
@@ -268,6 +277,8 @@ def add_dtype_flag(parser: Any) -> None:
 
 def warn_about_slow_dtype(command: str, model: nn.Module, device: str = "cpu") -> None:
     """One line on stderr where `model` holds bf16 weights that `device` has no fast kernels for."""
+    from .hardware import fast_bf16  # here: `python -m vlm_retrofit.hardware` would find it imported already
+
     if floating_dtype(model) == torch.bfloat16 and not fast_bf16(device):
         print(f"{command}: note: these weights are bfloat16, which this {device.upper()} has no fast kernels for (some "
               "70x slower than fp32 on an AVX2-only CPU): --dtype float32 loads them in fp32", file=sys.stderr)
@@ -532,7 +543,7 @@ def merge(source: str | os.PathLike, output: str | os.PathLike, *, base: str | N
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m vlm_retrofit merge",
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                                     formatter_class=HelpFormatter,
                                      description="Write a release folder: router adapter, skip calibration, "
                                                  "processor, model card (and optionally full weights).")
     parser.add_argument("--ckpt", "--model", dest="ckpt", required=True,

@@ -138,7 +138,7 @@ class RouterAdapter(nn.Module):
         for parameter in self._frozen_by_attach:
             parameter.requires_grad_(True)
         self._frozen_by_attach = []
-        self._state = StreamState()
+        self._drop_state()
         model = self._model_ref()
         if model is not None and _ATTACHED.get(model) is self:
             del _ATTACHED[model]
@@ -171,19 +171,24 @@ class RouterAdapter(nn.Module):
         key = str(block)
 
         def hook(module: nn.Module, args: tuple, kwargs: dict):
+            if block:  # a whole forward on the fused kernels (a decoding step) routes in one call, nothing else
+                route_whole = self._state.route_whole
+                if route_whole is not None:
+                    routed = route_whole(block - 1, layer_hidden_states(args, kwargs), key)
+                    if routed is not None:
+                        return with_layer_hidden_states(args, kwargs, routed)
             cache = kwargs.get("cache", kwargs.get("past_key_values")) if block == 0 else None
             if cache is not None:
                 self._check_cache(cache)  # also for the base function (disabled routers): it runs every layer
             if not self._enabled:
                 if block == 0:  # a forward without routing: the previous one's stream (every delta) can go now
-                    self._state = StreamState()
+                    self._drop_state()
                 return None
             hidden = layer_hidden_states(args, kwargs)
             controller = self._controller
             if block == 0:
                 self._follow_device(hidden)
-                previous = self._state.stack
-                self._state = StreamState()  # the last forward's own hold on its stream goes before it is reused
+                previous = self._drop_state().stack  # the last forward's own hold on its stream goes before reuse
                 stack = (previous if previous is not None and previous.restart(hidden)
                          else SourceStack(hidden, self.layout.num_blocks + 1, self.config.key_norm_eps))
                 # Read before layer 0 writes: the tokens the cache already holds (0 in prefill or without one).
@@ -193,6 +198,8 @@ class RouterAdapter(nn.Module):
                     # Every router of this forward, checked in one pass here: per layer the same check costs
                     # several times more, between layers that evict the caches.
                     self._state.fused_params = [router._inference_params()[1] for router in self.routers.values()]
+                    if controller is None:
+                        self._state.enable_whole_routing()
                     if controller is not None and controller.reads_gates and len(self.gates):  # the same way
                         self._state.fused_gates = [self.gates[key]._inference_params() if key in self.gates else None
                                                    for key in self.routers]
@@ -213,6 +220,15 @@ class RouterAdapter(nn.Module):
 
         return hook
 
+    def _drop_state(self) -> StreamState:
+        """Forget the last forward's stream state (returned); the next forward starts a new one."""
+        previous = self._state
+        # Its `route_whole` closure holds the state: a cycle only the garbage collector would free, which kept the
+        # last step's buffers in use (and a decoding step from reusing them) until it ran.
+        previous.route_whole = None
+        self._state = StreamState()
+        return previous
+
     def _check_cache(self, cache: Any) -> None:
         """Refuse a cache that lacks K/V for layers this forward would run (written under static removal)."""
         missing = getattr(cache, CACHELESS_LAYERS, None)
@@ -229,7 +245,11 @@ class RouterAdapter(nn.Module):
         if not self._enabled:
             return None
         hidden = layer_hidden_states(args, kwargs)
-        return with_layer_hidden_states(args, kwargs, self._push_and_mix(self.layout.num_blocks - 1, hidden, FINAL))
+        route_whole = self._state.route_whole
+        routed = route_whole(self.layout.num_blocks - 1, hidden, FINAL) if route_whole is not None else None
+        if routed is None:
+            routed = self._push_and_mix(self.layout.num_blocks - 1, hidden, FINAL)
+        return with_layer_hidden_states(args, kwargs, routed)
 
     def _record_delta(self, block: int, hidden: Tensor, present: Tensor | bool | None) -> None:
         """Push the delta of `block` (its output `hidden` minus its routed input), absent where it was skipped

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -145,6 +146,11 @@ class SourceStack:
                 self._mark_buffered(present)  # the kernel wrote the delta and its inverse RMS
                 return
             width = output.shape[-1]
+            if output.shape != self.shape or routed_input.shape != self.shape:
+                # `out=` would resize the buffer's storage to fit, under the fused kernels' pointers into it.
+                raise RuntimeError(f"a block's output {tuple(output.shape)} and routed input {tuple(routed_input.shape)} "
+                                   f"do not match its stream {tuple(self.shape)}: does a hook on a decoder layer "
+                                   "return a value (which replaces the layer's output)?")
             # The subtraction writes straight into the buffer: no temporary, no copy.
             torch.sub(output.reshape(-1, width), routed_input.reshape(-1, width), out=self._values[self._count])
             self._push_buffered(present)
@@ -279,6 +285,32 @@ class StreamState:
     attention_mask: Tensor | None = None
     """[B, context_length + T], zero / False at padding: the top model's attention mask over the cache and this
     forward's tokens, when a skip context knows it (None: no padding anywhere)."""
+
+    route_whole: Callable[[int, Tensor, str], Tensor | None] | None = None
+    """Where this forward runs every block for every token (no skip controller) through the fused kernels: pushes the
+    delta of a block and runs the router after it in one call, `route_whole(block, output, key)` -> that router's
+    output, or None where the kernels decline (then push and route apart). Set by `enable_whole_routing`."""
+
+    def enable_whole_routing(self) -> None:
+        """Set `route_whole` for this forward's fused stream: one kernel call per layer and the bookkeeping it needs,
+        nothing else. A decoding step runs it between layers whose weights evict every cache, where each Python
+        operation costs several times its warm price: the general path (`RouterAdapter._push_and_mix`) spent as
+        much again on its checks for skip policies, dropped sources and gates, none of which a whole forward has."""
+        stack, params = self.stack, self.fused_params
+        native = stack.native
+        push_route, rows, fused_rows = native.push_route, native.routed_rows, self.fused_rows
+
+        def route_whole(block: int, output: Tensor, key: str) -> Tensor | None:
+            count = stack._count
+            row = push_route(count, output, self.routed_input, False, params[block], count + 1)
+            if row is None:
+                return None
+            stack._count = count + 1
+            routed = self.routed_input = rows[row]
+            fused_rows[key] = row
+            return routed
+
+        self.route_whole = route_whole
 
     def sequence_positions(self) -> Tensor:
         """Long [B, T]: each token's position in its own sequence, padding not counted (left padding shifts a

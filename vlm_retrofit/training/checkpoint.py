@@ -195,7 +195,8 @@ def use_run_folder(callback: ModelCheckpoint, trainer: "pl.Trainer") -> None:
 
 
 class NothingToResumeError(InputError, FileNotFoundError):
-    """`--ckpt_path last` where the checkpoint folder holds checkpoints but no `last.ckpt`."""
+    """`--ckpt_path last` where the checkpoint folder holds checkpoints but no `last.ckpt` (`fit`), or none at all
+    (`validate`, `test`, `predict`)."""
 
 
 def check_nothing_to_resume_is_missed(trainer: "pl.Trainer") -> None:
@@ -215,6 +216,19 @@ def check_nothing_to_resume_is_missed(trainer: "pl.Trainer") -> None:
             f"{len(found)} other checkpoint(s), the newest {found[-1]}; resuming would start over from step 0. "
             "Give that file as --ckpt_path, and a checkpoint callback with save_last: true (as "
             "vlm_retrofit.training.RetrofitCheckpoint, the default, has) to resume by `last`")
+
+
+def check_last_to_evaluate(trainer: "pl.Trainer", command: str) -> None:
+    """Refuse `validate/test/predict --ckpt_path last` where no checkpoint callback finds a `last.ckpt`: Lightning
+    then evaluates the routers as initialised, with a warning only, and `predict` writes their figures."""
+    callbacks = [c for c in trainer.checkpoint_callbacks if isinstance(c, ModelCheckpoint)]
+    if any(c._find_last_checkpoints(trainer) for c in callbacks):
+        return
+    folders = sorted({str(c.dirpath) for c in callbacks if c.dirpath}) or [str(Path(trainer.default_root_dir))]
+    raise NothingToResumeError(
+        f"{command} --ckpt_path last: no last.ckpt in {', '.join(folders)}, so nothing trained to evaluate. Give a "
+        "checkpoint file as --ckpt_path (or the --trainer.default_root_dir of the run), or drop --ckpt_path to "
+        "evaluate the routers as initialised")
 
 
 def stop_after_this_step(trainer: "pl.Trainer") -> None:
