@@ -383,7 +383,7 @@ def test_decoding_steps_reuse_their_stream_unless_something_holds_what_it_handed
                 stacks.append(adapter._state.stack)
         return logits, stacks
 
-    gc.disable()  # a reference cycle holding the last step's state would keep its buffers in use until collected
+    gc.disable()  # reuse must follow from reference counts alone, not from when the garbage collector runs
     try:
         logits, stacks = decode(4)
     finally:

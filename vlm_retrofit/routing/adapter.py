@@ -223,8 +223,8 @@ class RouterAdapter(nn.Module):
     def _drop_state(self) -> StreamState:
         """Forget the last forward's stream state (returned); the next forward starts a new one."""
         previous = self._state
-        # Its `route_whole` closure holds the state: a cycle only the garbage collector would free, which kept the
-        # last step's buffers in use (and a decoding step from reusing them) until it ran.
+        # Its `route_whole` closure holds the state: a cycle only the garbage collector would free, keeping the last
+        # forward's stream (all its sources, megabytes in a prefill) alive until it ran.
         previous.route_whole = None
         self._state = StreamState()
         return previous
