@@ -499,10 +499,11 @@ def merge(source: str | os.PathLike, output: str | os.PathLike, *, base: str | N
     if loaded.replacement is not None and not pruning:
         raise InputError(f"{source} carries a linear replacement of layers {loaded.replacement[1]}, which only a "
                          "pruned release can use: pass --prune-target (or --prune-blocks) for those layers")
+    inputs = None
     if verify or pruning:  # the checks run chat prompts (and a release without a template could not answer one)
         require_chat_template(loaded.processor, loaded.base_model.get("name", str(source)),
                               "renders the prompts the merge is checked on")
-    inputs = _sample_inputs(loaded.processor) if verify or pruning else None
+        inputs = _sample_inputs(loaded.processor)
     if pruning:
         from .pruning import blocks_to_prune, prune_for_release, write_pruned_release
 

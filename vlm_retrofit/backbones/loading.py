@@ -179,16 +179,11 @@ def load_backbone(name: str, *, trust_remote_code: bool = False, torch_dtype: st
     return model.eval(), load_processor(processor_from or name, **proc_kw)
 
 
-def has_chat_template(processor: Any) -> bool:
-    """Whether `processor` (a processor, or the tokenizer of a text-only LM) can render chats: it or its tokenizer
-    carries a chat template."""
-    tokenizer = getattr(processor, "tokenizer", processor)
-    return bool(getattr(processor, "chat_template", None) or getattr(tokenizer, "chat_template", None))
-
-
 def require_chat_template(processor: Any, source: str, purpose: str) -> None:
-    """Refuse a processor without a chat template, naming where it came from (`source`) and what needs one."""
-    if has_chat_template(processor):
+    """Refuse a processor (or the tokenizer of a text-only LM) that neither it nor its tokenizer gives a chat template,
+    naming where it came from (`source`) and what needs one (`purpose`)."""
+    tokenizer = getattr(processor, "tokenizer", processor)
+    if getattr(processor, "chat_template", None) or getattr(tokenizer, "chat_template", None):
         return
     raise InputError(
         f"the processor of {source} has no chat template, which {purpose}: put the template the model was "

@@ -199,14 +199,21 @@ class NothingToResumeError(InputError, FileNotFoundError):
     (`validate`, `test`, `predict`)."""
 
 
+def _without_last(trainer: "pl.Trainer") -> list[ModelCheckpoint] | None:
+    """The trainer's checkpoint callbacks where none of them finds a `last.ckpt` (what `--ckpt_path last` reads);
+    None where one does."""
+    callbacks = [c for c in trainer.checkpoint_callbacks if isinstance(c, ModelCheckpoint)]
+    return None if any(c._find_last_checkpoints(trainer) for c in callbacks) else callbacks
+
+
 def check_nothing_to_resume_is_missed(trainer: "pl.Trainer") -> None:
     """Refuse `--ckpt_path last` where no `last.ckpt` exists but the checkpoint folders hold other checkpoints.
 
     Lightning then starts from step 0 with a warning: right for a first run, wrong for a run whose checkpoint
     callback does not save `last.ckpt` (Lightning's own default, taken when `trainer.callbacks` lists none).
     """
-    callbacks = [c for c in trainer.checkpoint_callbacks if isinstance(c, ModelCheckpoint)]
-    if any(c._find_last_checkpoints(trainer) for c in callbacks):
+    callbacks = _without_last(trainer)
+    if callbacks is None:
         return
     found = sorted((p for c in callbacks if c.dirpath and os.path.isdir(c.dirpath) for p in Path(c.dirpath).glob("*.ckpt")),
                    key=lambda p: p.stat().st_mtime)
@@ -221,8 +228,8 @@ def check_nothing_to_resume_is_missed(trainer: "pl.Trainer") -> None:
 def check_last_to_evaluate(trainer: "pl.Trainer", command: str) -> None:
     """Refuse `validate/test/predict --ckpt_path last` where no checkpoint callback finds a `last.ckpt`: Lightning
     then evaluates the routers as initialised, with a warning only, and `predict` writes their figures."""
-    callbacks = [c for c in trainer.checkpoint_callbacks if isinstance(c, ModelCheckpoint)]
-    if any(c._find_last_checkpoints(trainer) for c in callbacks):
+    callbacks = _without_last(trainer)
+    if callbacks is None:
         return
     folders = sorted({str(c.dirpath) for c in callbacks if c.dirpath}) or [str(Path(trainer.default_root_dir))]
     raise NothingToResumeError(
