@@ -88,11 +88,19 @@ def timed_generate(model, inputs: dict[str, Any], pad_token_id: int, new_tokens:
     return time.perf_counter() - start
 
 
+WARM_UP_TOKENS = 2  # prefill and one decoding step: each shape a timed call runs
+
+
 def paired_speed_ratios(model, inputs: dict[str, Any], method: Method, base_method: Method, pad_token_id: int, *,
                         rounds: int = 4, new_tokens: int = 32) -> list[float]:
     """One decode-speed ratio (tokens/s under `method` ÷ under `base_method`) per round, each from two adjacent
     generate calls in ABBA order: the base first in even rounds, `method` first in odd ones, so that a machine
-    speeding up or slowing down during the measurement favours neither side."""
+    speeding up or slowing down during the measurement favours neither side. Each side first runs one short call,
+    untimed: a device's first calls pay one-off costs (CUDA's lazy initialisation and kernel choice), which made the
+    first round of a 2-round GPU measurement read the routed model 3x the base's speed."""
+    for warm_up in (base_method, method):
+        with warm_up():
+            timed_generate(model, inputs, pad_token_id, WARM_UP_TOKENS)
     ratios = []
     for round_ in range(rounds):
         order = (base_method, method) if round_ % 2 == 0 else (method, base_method)

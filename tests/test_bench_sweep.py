@@ -400,14 +400,18 @@ def test_paired_speed_ratios_alternate_the_order_so_a_drifting_machine_favours_n
         return enter
 
     def timed_generate(model, inputs, pad_token_id, new_tokens):
-        # Both sides equally fast; the machine slows by 10 % of a call after every call.
+        # Both sides equally fast; the machine slows by 10 % of a call after every call. Each side's first call
+        # costs 5 more (a device's one-off start-up), and only the warm-up's short calls pay it.
+        if new_tokens == evaluate.WARM_UP_TOKENS:
+            calls.append(("warm-up", active[-1]))
+            return 6.0
         calls.append(active[-1])
-        return 1.0 + 0.1 * (len(calls) - 1)
+        return 1.0 + 0.1 * (len([c for c in calls if isinstance(c, str)]) - 1)
 
     monkeypatch.setattr(evaluate, "timed_generate", timed_generate)
     base, other = method_of("base"), method_of("other")
-    ratios = evaluate.paired_speed_ratios(None, {}, other, base, 0, rounds=4)
-    assert calls == ["base", "other", "other", "base"] * 2  # ABBA
+    ratios = evaluate.paired_speed_ratios(None, {}, other, base, 0, rounds=4, new_tokens=8)
+    assert calls == [("warm-up", "base"), ("warm-up", "other")] + ["base", "other", "other", "base"] * 2  # ABBA
     assert ratios == pytest.approx([1.0 / 1.1, 1.3 / 1.2, 1.4 / 1.5, 1.7 / 1.6])
     calls.clear()
     # The median of paired rounds stays at ~1; one side always first would read 0.91-0.94 (the later call slower).
