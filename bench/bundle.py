@@ -45,8 +45,9 @@ NON_LM = "non_lm.safetensors"
 TIED = "lm_head.weight"  # the token embedding when tied (SmolLM2): rebuilt from the GGUF, not carried
 # What the bench imports beyond a stock PyTorch + Lightning image, at the versions installed here. Not tokenizers
 # nor huggingface_hub: the image's own satisfy transformers' ranges, and huggingface_hub 2 would need packages (httpx2)
-# such an image lacks.
-WHEELS = ("webdataset", "braceexpand", "gguf", "efficientnet-lite-pytorch", "transformers", "peft")
+# such an image lacks. rdata reads the Austen text for the evaluation set (it needs pandas and xarray, which the
+# CUDA image checked on 2026-12-04 holds).
+WHEELS = ("webdataset", "braceexpand", "gguf", "efficientnet-lite-pytorch", "transformers", "peft", "rdata")
 
 
 def tensor_digest(tensor: torch.Tensor) -> str:

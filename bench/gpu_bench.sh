@@ -13,29 +13,7 @@
 # no network, carry the assets instead: `python -m bench.bundle pack --wheels <dir>` where they were built (see
 # bench/README.md), then copy bench/.bundle/ here: it is unpacked first, its wheels installed into bench/.cache/site.
 set -euo pipefail
-cd "$(dirname "$0")/.."
-PY="${PY:-.venv/bin/python}"
-[ -x "$PY" ] || PY=python3
-export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
-if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
-  echo "gpu_bench: no CUDA device visible to torch; run \`make bench\` for the CPU benchmark" >&2
-  exit 2
-fi
-if [ -f bench/.bundle/bundle.json ] && [ ! -f bench/.cache/real_vlm/build_info.json ]; then
-  "$PY" -m bench.bundle unpack --site bench/.cache/site
-fi
-if [ -d bench/.cache/site ]; then
-  export PYTHONPATH="$PWD/bench/.cache/site${PYTHONPATH:+:$PYTHONPATH}"
-fi
-# bench/ imports vlm_retrofit.datamodules, which only an install maps onto datamodules/ (pyproject.toml).
-if ! "$PY" -c 'import vlm_retrofit.datamodules' 2>/dev/null; then
-  echo "gpu_bench: installing the project (editable, no dependencies)"
-  "$PY" -m pip install -q --no-deps --no-build-isolation --no-index -e . || {
-    # No editable install: a plain one, found before the source tree (PYTHONSAFEPATH: `-m` does not put the
-    # working directory first on sys.path; bench/ is then found at the end of PYTHONPATH).
-    "$PY" -m pip install -q --no-deps --no-build-isolation --no-index --target bench/.cache/project .
-    export PYTHONSAFEPATH=1 PYTHONPATH="$PWD/bench/.cache/project:${PYTHONPATH:+$PYTHONPATH:}$PWD"; }
-fi
+source "$(dirname "$0")/gpu_env.sh"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || true
 mkdir -p bench/gpu
 "$PY" -m bench.run --device cuda --dtype bfloat16 --num-workers 4 --train-minutes 2.5 \

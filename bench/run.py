@@ -291,12 +291,13 @@ class BudgetDecay(pl.Callback):
 def train_variant(variant: Variant, backbone: str, shards: dict[str, Any], minutes: float, batch_size: int, *,
                   removal: dict[str, Any], runs: Path = RUNS, device: str = "cpu",
                   dtype: str | None = None, precision: str = "32-true", num_workers: int = 1,
-                  lr_scale: float = 1.0, decay_over: str = "steps") -> dict:
+                  lr_scale: float = 1.0, decay_over: str = "steps", seed: int = 0) -> dict:
     """Distil one router variant within a wall-clock budget; the adapter lands in RUNS/<name>/adapter.
 
     Variants evaluated with the static policy train under the removal schedule `removal` (`removal_settings`). A
     variant with a step count decays its learning rate over them (`decay_over="steps"`) or over the budget's wall
-    clock (`"budget"`: as many steps as the budget holds, `BudgetDecay`).
+    clock (`"budget"`: as many steps as the budget holds, `BudgetDecay`). `seed` seeds the training stream (the
+    caller seeds torch for the trained weights' initialisation).
     """
     from vlm_retrofit.datamodules import WebDatasetDataModule
     from vlm_retrofit.training import RetrofitModule
@@ -311,7 +312,7 @@ def train_variant(variant: Variant, backbone: str, shards: dict[str, Any], minut
     data = WebDatasetDataModule(processor=backbone, train_shards=shards["train"],
                                 train_weights=shards.get("train_weights"), val_shards=shards["val"],
                                 batch_size=batch_size, num_workers=num_workers, max_length=384, train_samples_per_epoch=100000,
-                                add_quality_callback=True)
+                                add_quality_callback=True, seed=seed)
     timings: list[float] = []
     kl_curve: list[float] = []
 
@@ -369,6 +370,13 @@ def train_variant(variant: Variant, backbone: str, shards: dict[str, Any], minut
 
 
 # -- entry point ------------------------------------------------------------------------------------------
+def training_shards(manifest: dict[str, Any]) -> dict[str, Any]:
+    """What the variants train and validate on, from the shards' manifest (`write_bench_shards`): drawn per sample,
+    27 % captions and 73 % Austen (the share the fifteenth run's pooled shards gave on average)."""
+    return {"train": [manifest["shards"]["captions-train"]["dir"], manifest["shards"]["austen-train"]["dir"]],
+            "train_weights": [0.27, 0.73], "val": manifest["shards"]["captions-val"]["dir"]}
+
+
 def load_for_measuring(args, manifest: dict[str, Any]):
     """The real VLM in `args.dtype` on `args.device` (eval mode), its processor, the eval set (`build_eval_set`
     with `args`' settings) and a function that loads another copy of the model (a LoRA is merged into one)."""
@@ -492,9 +500,7 @@ def main(argv: list[str] | None = None) -> int:
     manifest = write_bench_shards()
     args.backbone = str(build_real_vlm())
     log(f"assets ready: real VLM at {args.backbone}; shards in {manifest['root']}")
-    # Drawn per sample: 27 % captions, 73 % Austen (the share the fifteenth run's pooled shards gave on average).
-    shards = {"train": [manifest["shards"]["captions-train"]["dir"], manifest["shards"]["austen-train"]["dir"]],
-              "train_weights": [0.27, 0.73], "val": manifest["shards"]["captions-val"]["dir"]}
+    shards = training_shards(manifest)
     model, processor, data, load_model = load_for_measuring(args, manifest)
     runs = Path(args.runs)
     key = search_key(model, data.calibration)  # what the cached removal searches were run on

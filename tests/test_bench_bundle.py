@@ -181,7 +181,8 @@ def test_real_assets_survive_the_bundle(tmp_path, monkeypatch):
 
 def _script_commands(script: Path, module: str) -> list[list[str]]:
     """The arguments of every `"$PY" -m <module> ...` call in a shell script (continuation lines joined; `"$@"`
-    dropped, any other shell variable read as the loop value 1)."""
+    dropped, any other shell variable read as the loop value 1; cut at `;`, a pipe or a redirection)."""
+    import re
     import shlex
 
     text = script.read_text().replace("\\\n", " ")
@@ -189,7 +190,7 @@ def _script_commands(script: Path, module: str) -> list[list[str]]:
     for line in text.splitlines():
         marker = f'"$PY" -m {module} '
         if marker in line:
-            words = shlex.split(line.split(marker, 1)[1].split(";")[0])
+            words = shlex.split(re.split(r";|\||\s2>&1", line.split(marker, 1)[1])[0])
             calls.append(["1" if w.startswith("$") else w for w in words if w != "$@"])
     return calls
 
@@ -207,3 +208,36 @@ def test_gpu_script_passes_only_arguments_its_commands_accept():
     assert args.train_steps is None and args.decay_over == "budget"
     for call in overheads:
         assert overhead.build_parser().parse_args(call).device == "cuda"
+
+
+def test_gpu_heal_script_passes_only_arguments_its_commands_accept():
+    from bench import heal, measure
+
+    script = ROOT / "bench" / "gpu_heal.sh"
+    (train,), (read,) = _script_commands(script, "bench.heal"), _script_commands(script, "bench.measure")
+    args = heal.build_parser().parse_args(train)
+    assert args.variant == "lora_mlp_span" and args.device == "cuda" and args.removal == [13, 14, 15, 16, 17, 18]
+    read_args = measure.build_parser().parse_args(read)
+    assert read_args.device == "cuda" and read_args.dtype == "bfloat16" and read_args.eval_split == "test"
+    # Both scripts share one setup (CUDA check, bundle unpack, project install).
+    for name in ("gpu_bench.sh", "gpu_heal.sh"):
+        assert 'source "$(dirname "$0")/gpu_env.sh"' in (ROOT / "bench" / name).read_text()
+
+
+def test_heal_refuses_a_schedule_variant_and_a_trained_folder_before_loading_anything(tmp_path, monkeypatch):
+    from bench import heal, real_vlm
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("refused too late: the model was being built")
+
+    monkeypatch.setattr(real_vlm, "build_real_vlm", no_build)
+    with pytest.raises(SystemExit, match="routed_static trains a removal schedule"):
+        heal.main(["routed_static", "--removal", "13", "14", "--runs", str(tmp_path)])
+    (tmp_path / "lora_mlp_span").mkdir()
+    (tmp_path / "lora_mlp_span" / "train_info.json").write_text("{}")
+    with pytest.raises(SystemExit, match="already holds a trained adapter; delete the folder"):
+        heal.main(["lora_mlp_span", "--removal", "13", "14", "--runs", str(tmp_path)])
+    with pytest.raises(SystemExit, match="names a layer twice"):
+        heal.main(["lora_mlp_span", "--removal", "13", "13", "--runs", str(tmp_path / "other")])
+    with pytest.raises(SystemExit):  # not a static variant: argparse's choices refuse it
+        heal.main(["gate", "--removal", "13"])

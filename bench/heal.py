@@ -1,0 +1,83 @@
+"""`python -m bench.heal VARIANT --removal 13 14 15 16 17 18`: train one static variant for a given removal, no searches.
+
+`make bench` (`python -m bench.run`) ranks blocks and searches removal orders before it trains, then measures every
+baseline after: minutes that a longer or larger healing run on a borrowed GPU cannot spare. This trains one static
+variant (`bench.run.VARIANTS`) exactly as the bench does (`train_variant`: the wall-clock budget, its decay, the
+mixed training stream), on a removal order given by hand (e.g. the span the bench's search picked). Measure the
+adapter after with `python -m bench.measure RUNS/VARIANT/adapter` (the pruned release for a LoRA-healed one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from .run import RUNS, VARIANTS, fast_bf16, selected_variants
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of `python -m bench.heal`; the training settings default to `make bench`'s."""
+    parser = argparse.ArgumentParser(prog="python -m bench.heal", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    static = sorted(name for name, variant in VARIANTS.items() if variant.policy == "static")
+    parser.add_argument("variant", choices=static, help="a static variant of bench.run")
+    parser.add_argument("--removal", type=int, nargs="+", required=True,
+                        help="the decoder layers removed in training, in removal order (every step removes all of "
+                             "them: the variant's fixed removal)")
+    parser.add_argument("--train-minutes", type=float, default=20.0, help="wall-clock budget; the rate decays over it")
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--lr-scale", type=float, default=1.0,
+                        help="multiplies the variant's learning rate (1.41 with --batch-size 8: bench.run --help)")
+    parser.add_argument("--num-workers", type=int, default=1)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--train-precision", default=None, choices=["32-true", "bf16-mixed"],
+                        help="default: bf16-mixed where the device has fast bf16 kernels, else 32-true")
+    parser.add_argument("--seed", type=int, default=0, help="seeds the training stream and the LoRA initialisation")
+    parser.add_argument("--runs", default=str(RUNS), help="the adapter goes to RUNS/VARIANT/adapter")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    variant = selected_variants([args.variant])[0]
+    if not variant.fixed_removal:
+        raise SystemExit(f"bench.heal: {args.variant} trains a removal schedule (prefixes of an order), not a fixed "
+                         "removal; train it with `python -m bench.run --variants` instead")
+    if len(set(args.removal)) != len(args.removal):
+        raise SystemExit(f"bench.heal: --removal names a layer twice ({args.removal}); give each removed layer once")
+    out = Path(args.runs) / variant.name
+    if (out / "train_info.json").is_file():  # train_variant would silently reuse it
+        raise SystemExit(f"bench.heal: {out} already holds a trained adapter; delete the folder to retrain")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    torch.manual_seed(args.seed)
+    started = time.time()
+
+    from . import efficientnet_tower  # noqa: F401  registers the vision tower's config before any loading
+    from .data import write_bench_shards
+    from .real_vlm import build_real_vlm
+    from .run import train_variant, training_shards
+
+    manifest = write_bench_shards()
+    backbone = str(build_real_vlm())
+    shards = training_shards(manifest)
+    removal = {"removal_order": list(args.removal), "max_removed_blocks": len(args.removal),
+               "min_removed_blocks": len(args.removal)}
+    precision = args.train_precision or ("bf16-mixed" if fast_bf16(args.device) else "32-true")
+    dtype = "bfloat16" if precision == "bf16-mixed" else None
+    print(f"[{time.time() - started:7.1f}s] training {variant.name} for {args.train_minutes} min, removal "
+          f"{args.removal}, batch {args.batch_size}, lr x{args.lr_scale}, {precision}", flush=True)
+    info = train_variant(variant, backbone, shards, args.train_minutes, args.batch_size, removal=removal,
+                         runs=Path(args.runs), device=args.device, dtype=dtype, precision=precision,
+                         num_workers=args.num_workers, lr_scale=args.lr_scale, decay_over="budget", seed=args.seed)
+    print(f"[{time.time() - started:7.1f}s] trained: {json.dumps(info)}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
