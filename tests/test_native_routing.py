@@ -39,9 +39,10 @@ def _stream(first, steps, capacity):
 
 
 @needs_compiler
-@pytest.mark.parametrize("batch,tokens", [(1, 1), (1, 3), (4, 1), (2, 5)])
+@pytest.mark.parametrize("batch,tokens", [(1, 1), (1, 3), (4, 1), (2, 5), (2, 40), (1, 70)])
 def test_fused_kernels_equal_the_pytorch_ops(batch, tokens, torch_routing, monkeypatch):
-    """Deltas, inverse RMS, routing weights and routed inputs, with absent tokens, a dropped source and bias."""
+    """Deltas, inverse RMS, routing weights and routed inputs, with absent tokens, a dropped source and bias; past
+    the kernels' chunk of 64 tokens too (a prefill's)."""
     d, shape = 16, (batch, tokens, 16)
     first = torch.randn(shape) * 50
     absent = torch.rand(batch, tokens) < 0.5
@@ -49,6 +50,7 @@ def test_fused_kernels_equal_the_pytorch_ops(batch, tokens, torch_routing, monke
              ("delta", torch.randn(shape), torch.randn(shape), ~absent),
              ("delta", torch.randn(shape) * 1e3, torch.randn(shape), None)]
     router = _router(6, d)
+    monkeypatch.setattr(SourceStack, "buffer_max_tokens", 128)  # the PyTorch ops on the same buffered layout
     with torch.no_grad():
         reference = _stream(first, steps, 6)
         assert reference.buffered and reference.native is None
@@ -427,3 +429,51 @@ def test_a_layer_output_of_another_shape_is_refused_not_written_past_the_stream(
     model.model.layers[1].register_forward_hook(lambda module, args, output: other)
     with torch.no_grad(), pytest.raises(RuntimeError, match=r"does a hook on a decoder layer return a value"):
         model(input_ids=inputs["input_ids"][:, :1])
+
+
+@needs_compiler
+def test_a_prefill_stream_reuses_the_last_ones_memory_unless_something_holds_it():
+    """Fused-kernel streams take their buffers from memory the adapter keeps (a new prefill stream faulted in every
+    page again: as long as its routing): the same logits as in new memory; a caller's held tensor is left alone."""
+    model, tokenizer = tiny_vlm("llama", num_hidden_layers=4)
+    adapter = attach_routers(model, RouterConfig(block_size=1, init_scale=0.5))
+    prompt = tiny_inputs(tokenizer, batch=1)["input_ids"]
+    other = prompt[:, :-4]  # shorter: the kept memory holds it (a longer one gets new, larger memory)
+
+    def forward(input_ids):
+        with torch.no_grad():
+            logits = model(input_ids=input_ids).logits
+        return logits, adapter._state.stack._values.data_ptr()
+
+    first, first_memory = forward(prompt)
+    again, again_memory = forward(other)  # the last stream is dropped first: its memory is free
+    assert again_memory == first_memory
+    adapter._stream_buffers = None  # new memory for every stream
+    assert torch.equal(forward(prompt)[0], first) and torch.equal(forward(other)[0], again)
+    adapter._stream_buffers = native.StreamBuffers()
+
+    held = {}
+    handle = model.model.layers[2].register_forward_hook(lambda module, args, output: held.setdefault("in", args[0]))
+    forward(prompt)
+    handle.remove()
+    saved, kept = held["in"].clone(), adapter._stream_buffers._flat["routed"]
+    assert held["in"].untyped_storage().data_ptr() == kept.data_ptr()  # a router's output, in the kept memory
+    forward(other)
+    assert adapter._state.stack.native._routed.untyped_storage().data_ptr() != kept.data_ptr()
+    assert torch.equal(held["in"], saved)  # the routed input it kept was not written over
+
+
+def test_stream_buffers_hand_out_kept_memory_only_while_nothing_holds_it():
+    buffers = native.StreamBuffers()
+    first = buffers.empty("values", (3, 4), torch.float32)
+    kept = buffers._flat["values"]
+    assert first.data_ptr() == kept.data_ptr()
+    second = buffers.empty("values", (2, 4), torch.float32)  # `first` still holds the memory
+    assert second.data_ptr() != kept.data_ptr() and buffers._flat["values"] is kept  # the larger one stays kept
+    del first
+    smaller = buffers.empty("values", (2, 5), torch.float32)
+    assert smaller.data_ptr() == kept.data_ptr() and smaller.shape == (2, 5)
+    del smaller
+    larger = buffers.empty("values", (5, 5), torch.float32)  # too small: a new one, kept from now on
+    assert larger.data_ptr() != kept.data_ptr() and buffers._flat["values"].numel() == 25
+    assert buffers.empty("present", (2, 2), torch.bool).dtype == torch.bool

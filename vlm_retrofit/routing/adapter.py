@@ -19,6 +19,7 @@ from ..backbones import (BackboneSpec, base_fingerprint, differing_weights, laye
 from ..errors import InputError
 from ..files import atomic_write
 from .config import BlockLayout, RouterConfig
+from .native import StreamBuffers
 from .router import DepthRouter, SkipGate
 from .stream import SourceStack, StreamState
 
@@ -79,6 +80,7 @@ class RouterAdapter(nn.Module):
         self._frozen_by_attach: list[nn.Parameter] = []
         self._enabled = True
         self._state = StreamState()
+        self._stream_buffers = StreamBuffers()  # a prefill's fused-kernel stream memory, kept for the next one
         self._controller: Any = None
         self.calibration: dict[str, dict[str, dict[str, Any]]] = {}
         """Skip thresholds found by calibration: policy -> target saving -> policy settings."""
@@ -189,8 +191,11 @@ class RouterAdapter(nn.Module):
             if block == 0:
                 self._follow_device(hidden)
                 previous = self._drop_state().stack  # the last forward's own hold on its stream goes before reuse
-                stack = (previous if previous is not None and previous.restart(hidden)
-                         else SourceStack(hidden, self.layout.num_blocks + 1, self.config.key_norm_eps))
+                stack = previous if previous is not None and previous.restart(hidden) else None
+                previous = None  # and before a new stream takes the memory it held (`StreamBuffers`)
+                if stack is None:
+                    stack = SourceStack(hidden, self.layout.num_blocks + 1, self.config.key_norm_eps,
+                                        self._stream_buffers)
                 # Read before layer 0 writes: the tokens the cache already holds (0 in prefill or without one).
                 context = int(cache.get_seq_length()) if hasattr(cache, "get_seq_length") else 0
                 self._state = StreamState(stack=stack, routed_input=hidden, context_length=context)

@@ -76,45 +76,67 @@ void vr_push_delta(const vr_stream* s, int64_t slot, const float* output, const 
    any_absent), routed = count * sum_i alpha_i * values_i with count = sources present at the token. With a skip
    gate (gate not NULL: its query times its norm gain), also gate_run = sigmoid((routed . gate) * inv_rms(routed)
    + gate_bias[0]), the gate's run probability for the block the routed input feeds. */
+#define VR_CHUNK 64
+
 void vr_route(const vr_stream* s, int64_t k, int64_t row, int any_absent, const float* scorer,
               const float* bias, const int64_t* slot_index, const float* gate, const float* gate_bias) {
     const int64_t tokens = s->tokens, width = s->width;
     float* alpha = s->alpha + row * s->capacity * tokens;
-    for (int64_t t = 0; t < tokens; ++t) {
-        float top = -INFINITY, count = 0.0f, total = 0.0f;
+    /* Tokens in chunks, and within a chunk source by source: each pass then reads a source's rows of the chunk
+       in one run of memory, which a prefill's cold cache streams far faster than hopping between the sources of
+       one token. Every token's sums still run over its sources in order: the result is the token-by-token one. */
+    float top[VR_CHUNK], count[VR_CHUNK], total[VR_CHUNK];
+    for (int64_t t0 = 0; t0 < tokens; t0 += VR_CHUNK) {
+        const int64_t n = tokens - t0 < VR_CHUNK ? tokens - t0 : VR_CHUNK;
+        for (int64_t c = 0; c < n; ++c) {
+            top[c] = -INFINITY;
+            count[c] = 0.0f;
+            total[c] = 0.0f;
+        }
         for (int64_t i = 0; i < k; ++i) {
-            float logit = -INFINITY;
-            if (!any_absent || s->present[i * tokens + t]) {
-                logit = dot_lanes(s->values + (i * tokens + t) * width, scorer, width) * s->inv_rms[i * tokens + t];
-                if (bias) logit += bias[slot_index ? slot_index[i] : i];
-                count += 1.0f;
-                if (logit > top) top = logit;
+            const float source_bias = bias ? bias[slot_index ? slot_index[i] : i] : 0.0f;
+            for (int64_t c = 0; c < n; ++c) {
+                const int64_t t = t0 + c;
+                float logit = -INFINITY;
+                if (!any_absent || s->present[i * tokens + t]) {
+                    logit = dot_lanes(s->values + (i * tokens + t) * width, scorer, width) * s->inv_rms[i * tokens + t];
+                    if (bias) logit += source_bias;
+                    count[c] += 1.0f;
+                    if (logit > top[c]) top[c] = logit;
+                }
+                alpha[i * tokens + t] = logit;
             }
-            alpha[i * tokens + t] = logit;
         }
-        for (int64_t i = 0; i < k; ++i) {
-            float weight = alpha[i * tokens + t] == -INFINITY ? 0.0f : expf(alpha[i * tokens + t] - top);
-            alpha[i * tokens + t] = weight;
-            total += weight;
-        }
-        float* m = s->routed + (row * tokens + t) * width;
-        for (int64_t j = 0; j < width; ++j) m[j] = 0.0f;
+        for (int64_t i = 0; i < k; ++i)
+            for (int64_t c = 0; c < n; ++c) {
+                float* a = alpha + i * tokens + t0 + c;
+                float weight = *a == -INFINITY ? 0.0f : expf(*a - top[c]);
+                *a = weight;
+                total[c] += weight;
+            }
+        float* routed = s->routed + (row * tokens + t0) * width;
+        for (int64_t j = 0; j < n * width; ++j) routed[j] = 0.0f;
         /* count * alpha as e * (count / total): exactly 1 per source at uniform routing (every e is 1, total is
            count), so the mix is then the residual stream's own sum of the sources, in its order. */
-        const float per_total = count / total;
-        for (int64_t i = 0; i < k; ++i) {
-            float e = alpha[i * tokens + t];
-            alpha[i * tokens + t] = e / total;
-            if (e == 0.0f) continue;
-            float scaled = e * per_total;
-            const float* v = s->values + (i * tokens + t) * width;
-            for (int64_t j = 0; j < width; ++j) m[j] += scaled * v[j];
-        }
-        if (gate) {
-            float inv_rms = 1.0f / sqrtf(dot_lanes(m, m, width) / (float)width + s->eps);
-            float logit = dot_lanes(m, gate, width) * inv_rms + gate_bias[0];
-            s->gate_run[row * tokens + t] = 1.0f / (1.0f + expf(-logit));
-        }
+        for (int64_t c = 0; c < n; ++c) count[c] = count[c] / total[c];
+        for (int64_t i = 0; i < k; ++i)
+            for (int64_t c = 0; c < n; ++c) {
+                float* a = alpha + i * tokens + t0 + c;
+                float e = *a;
+                *a = e / total[c];
+                if (e == 0.0f) continue;
+                float scaled = e * count[c];
+                const float* v = s->values + (i * tokens + t0 + c) * width;
+                float* m = routed + c * width;
+                for (int64_t j = 0; j < width; ++j) m[j] += scaled * v[j];
+            }
+        if (gate)
+            for (int64_t c = 0; c < n; ++c) {
+                const float* m = routed + c * width;
+                float inv_rms = 1.0f / sqrtf(dot_lanes(m, m, width) / (float)width + s->eps);
+                float logit = dot_lanes(m, gate, width) * inv_rms + gate_bias[0];
+                s->gate_run[row * tokens + t0 + c] = 1.0f / (1.0f + expf(-logit));
+            }
     }
 }
 
@@ -215,6 +237,37 @@ def usable(first: Tensor) -> bool:
     return first.device.type == "cpu" and first.dtype == torch.float32 and library() is not None
 
 
+class StreamBuffers:
+    """Memory for the buffers of fused-kernel streams, kept between forwards of one adapter.
+
+    A prefill's stream is megabytes (SmolLM2, 84 tokens: two [31, 84, 576] fp32 buffers, 12 MB) that the allocator
+    hands back to the system when the stream goes, so the next prefill's stream faults in every page again: 6 ms a
+    prompt on a 2-core machine, about as long as its routing. Here each buffer is a view of a kept flat tensor, taken
+    only where nothing else holds it (the storage's use count shows views still alive); otherwise, or where this
+    torch cannot tell, a new one is made and kept if larger. What stays is the largest stream's buffers."""
+
+    def __init__(self) -> None:
+        self._flat: dict[str, Tensor] = {}
+
+    def empty(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+        """An uninitialised CPU tensor of `shape` for buffer `name`, in kept memory where it is free."""
+        numel = 1
+        for size in shape:
+            numel *= size
+        flat = self._flat.get(name)
+        if (flat is None or flat.dtype != dtype or flat.numel() < numel or _storage_use_count is None
+                or _storage_use_count(flat.untyped_storage()._cdata) != _SOLE_USERS):
+            flat = torch.empty(max(numel, 1), dtype=dtype)
+            if _storage_use_count is not None and (name not in self._flat or self._flat[name].numel() <= numel):
+                self._flat[name] = flat
+        return flat[:numel].view(shape)
+
+
+def stream_buffer(buffers: StreamBuffers | None, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+    """An uninitialised CPU tensor for a fused-kernel stream's buffer `name`: from `buffers`, or new (None)."""
+    return buffers.empty(name, shape, dtype) if buffers is not None else torch.empty(shape, dtype=dtype)
+
+
 class NativeStream:
     """The buffers of one buffered fp32 CPU stream as the C kernels see them; each step is one foreign call.
 
@@ -224,14 +277,15 @@ class NativeStream:
     attributes, output rows split once per forward, and router parameters checked once per forward by the caller.
     """
 
-    def __init__(self, values: Tensor, inv_rms: Tensor, present: Tensor, shape: torch.Size, eps: float) -> None:
+    def __init__(self, values: Tensor, inv_rms: Tensor, present: Tensor, shape: torch.Size, eps: float,
+                 buffers: StreamBuffers | None = None) -> None:
         capacity, tokens, width = values.shape
-        routed = self._routed = values.new_empty((capacity, *shape))
+        routed = self._routed = stream_buffer(buffers, "routed", (capacity, *shape), torch.float32)
         self.routed_rows = routed.unbind(0)
         """Row r: the r-th router's output, [B, T, d] (split once here: a view made per layer costs more)."""
-        self.alpha = values.new_empty((capacity, capacity, *shape[:-1]))
+        self.alpha = stream_buffer(buffers, "alpha", (capacity, capacity, *shape[:-1]), torch.float32)
         """Row r: the r-th router's weights, [K, B, T] for the first K sources it mixed."""
-        self._gate_run = values.new_empty((capacity, *shape[:-1]))
+        self._gate_run = stream_buffer(buffers, "gate_run", (capacity, *shape[:-1]), torch.float32)
         """Row r: a skip gate's run probability [B, T] on the r-th router's output, where the call computed one."""
         self._gate_run_rows: tuple[Tensor, ...] | None = None  # split on first use: forwards without gates skip it
         self._struct = _Stream(values.data_ptr(), inv_rms.data_ptr(), present.data_ptr(), routed.data_ptr(),
@@ -363,6 +417,17 @@ class NativeStream:
 
 _storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
 """How many tensors (views included) share a storage; without it (another torch) streams are never reused."""
+
+
+def _sole_users() -> int | None:
+    """The use count `_storage_use_count(t.untyped_storage()._cdata)` reads where `t` alone holds its storage."""
+    if _storage_use_count is None:
+        return None
+    probe = torch.empty(1)  # named: a temporary's storage would be freed before its count is read
+    return _storage_use_count(probe.untyped_storage()._cdata)
+
+
+_SOLE_USERS = _sole_users()
 
 
 def _bias_index(params: "KernelParams", slot_index: Tensor | None) -> int | None:

@@ -45,7 +45,7 @@ class SourceStack:
     84 tokens routed at 1.10x the base through them against 1.14x listed, level at 96-128 tokens, behind from 192
     (1.17x against 1.12x at 768)."""
 
-    def __init__(self, first: Tensor, capacity: int, eps: float) -> None:
+    def __init__(self, first: Tensor, capacity: int, eps: float, buffers: native.StreamBuffers | None = None) -> None:
         self.shape = first.shape
         self.dtype = first.dtype
         self.eps = eps
@@ -63,10 +63,15 @@ class SourceStack:
         """Whether some stored source is absent for some token (else presence masks are all True)."""
         self._present: Tensor | list[Tensor | None]
         if self.buffered:
-            self._values = first.new_empty((capacity, tokens, width), dtype=torch.float32)
-            self._inv_rms = first.new_empty((capacity, tokens), dtype=torch.float32)
-            self._present = torch.ones((capacity, tokens), dtype=torch.bool, device=first.device)
-            self.native = (native.NativeStream(self._values, self._inv_rms, self._present, first.shape, eps)
+            if use_native:  # in memory kept between forwards where `buffers` is given (`native.StreamBuffers`)
+                self._values = native.stream_buffer(buffers, "values", (capacity, tokens, width), torch.float32)
+                self._inv_rms = native.stream_buffer(buffers, "inv_rms", (capacity, tokens), torch.float32)
+                self._present = native.stream_buffer(buffers, "present", (capacity, tokens), torch.bool).fill_(True)
+            else:
+                self._values = first.new_empty((capacity, tokens, width), dtype=torch.float32)
+                self._inv_rms = first.new_empty((capacity, tokens), dtype=torch.float32)
+                self._present = torch.ones((capacity, tokens), dtype=torch.bool, device=first.device)
+            self.native = (native.NativeStream(self._values, self._inv_rms, self._present, first.shape, eps, buffers)
                            if use_native else None)
             """Fused C kernels for delta pushes and routers (`routing.native`), on buffered fp32 CPU streams."""
         else:
