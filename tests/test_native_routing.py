@@ -131,14 +131,18 @@ def test_decoding_steps_route_in_one_call_per_layer(monkeypatch):
     model, tokenizer = tiny_vlm("llama", num_hidden_layers=4)
     adapter = attach_routers(model, RouterConfig(block_size=1))
     calls = []
-    original = native.NativeStream.push_route
+    original = native.NativeStream.whole_routing
 
-    def counted(self, *args):
-        result = original(self, *args)
-        calls.append(result is not None)
-        return result
+    def counted_routing(self, params):
+        route = original(self, params)
 
-    monkeypatch.setattr(native.NativeStream, "push_route", counted)
+        def counted(*args):
+            result = route(*args)
+            calls.append(result is not None)
+            return result
+        return counted
+
+    monkeypatch.setattr(native.NativeStream, "whole_routing", counted_routing)
     inputs = tiny_inputs(tokenizer, batch=1)
     with torch.no_grad():
         model.generate(**inputs, max_new_tokens=3, min_new_tokens=3, do_sample=False,
@@ -477,3 +481,29 @@ def test_stream_buffers_hand_out_kept_memory_only_while_nothing_holds_it():
     larger = buffers.empty("values", (5, 5), torch.float32)  # too small: a new one, kept from now on
     assert larger.data_ptr() != kept.data_ptr() and buffers._flat["values"].numel() == 25
     assert buffers.empty("present", (2, 2), torch.bool).dtype == torch.bool
+
+
+@needs_compiler
+def test_whole_forward_routing_equals_push_route_and_declines_what_it_cannot_take():
+    """The packed per-forward call (`NativeStream.whole_routing`) writes the bits `push_route` writes; it declines,
+    writing nothing, an output the kernels cannot read and a router whose bias is too short for its sources."""
+    d, shape = 16, (1, 3, 16)
+    first = torch.randn(shape) * 20
+    routers = [_router(2, d), _router(3, d), _router(2, d)]  # the third's bias is one short of its 3 sources
+    outputs = [torch.randn(shape) * 5 for _ in range(3)]
+    with torch.no_grad():
+        params = [router._inference_params()[1] for router in routers]
+        apart, together = SourceStack(first, 4, 1e-6), SourceStack(first, 4, 1e-6)
+        route = together.native.whole_routing(params)
+        routed_apart = routed_together = first
+        for block in range(2):
+            row = apart.native.push_route(block + 1, outputs[block], routed_apart, False, params[block], block + 2)
+            assert route(block, outputs[block], routed_together) == row == block
+            routed_apart, routed_together = apart.native.routed_rows[row], together.native.routed_rows[row]
+            assert torch.equal(routed_together, routed_apart)
+            assert torch.equal(together.native.alpha_row(row), apart.native.alpha_row(row))
+        assert route(2, outputs[2], routed_together) is None  # bias of 2 for 3 sources
+        assert route(3, outputs[2], routed_together) is None  # no router after a block past the list
+        assert route(1, outputs[2].transpose(1, 2).contiguous().transpose(1, 2), routed_together) is None
+        assert route(1, outputs[2].double(), routed_together) is None
+    assert together.native.routers_run == 2

@@ -15,7 +15,7 @@ import sys
 import tempfile
 import threading
 from pathlib import Path
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 from torch import Tensor
@@ -148,6 +148,19 @@ void vr_push_route(const vr_stream* s, int64_t slot, const float* output, const 
     vr_push_delta(s, slot, output, routed_input);
     vr_route(s, slot + 1, row, any_absent, scorer, bias, slot_index, gate, gate_bias);
 }
+
+/* A router's parameters, packed once per forward: a whole forward's call per layer then passes one pointer. */
+typedef struct {
+    const float* scorer;
+    const float* bias;
+} vr_router;
+
+/* vr_push_route for a forward that runs every block for every token: no absent tokens, dropped sources or gate. */
+void vr_push_route_whole(const vr_stream* s, int64_t slot, const float* output, const float* routed_input,
+                         int64_t row, const vr_router* router) {
+    vr_push_delta(s, slot, output, routed_input);
+    vr_route(s, slot + 1, row, 0, router->scorer, router->bias, 0, 0, 0);
+}
 """
 
 _FLAGS = ["-O3", "-shared", "-fPIC", "-std=c99"]
@@ -213,6 +226,8 @@ def _load(target: Path) -> ctypes.CDLL:
     library.vr_route.restype = None
     library.vr_push_route.argtypes = [ptr, i64, ptr, ptr, i64, ctypes.c_int, ptr, ptr, ptr, ptr, ptr]
     library.vr_push_route.restype = None
+    library.vr_push_route_whole.argtypes = [ptr, i64, ptr, ptr, i64, ptr]
+    library.vr_push_route_whole.restype = None
     return library
 
 
@@ -391,6 +406,40 @@ class NativeStream:
                          gate_bias)
         return self._wrote(row, slot + 1, gate_weight is not None)
 
+    def whole_routing(self, params: "list[KernelParams | None]") -> Callable[[int, Tensor, Tensor], int | None]:
+        """`push_route` for a forward that runs every block for every token (no skip policy, nothing dropped or
+        absent): `route(block, output, routed_input)` pushes block `block`'s delta into slot block + 1 and runs
+        `params[block]`, the router after it, in one call whose router arguments were packed here once; the row it
+        wrote, or None (nothing written) where the kernels cannot take it: the caller then takes the general path."""
+        capacity, width, size = self._capacity, self._width, self._size
+        packed: list[_Router | None] = []
+        for block, router in enumerate(params):
+            # The router after `block` mixes block + 2 sources (s_0 and every delta up to the block's).
+            usable = (router is not None and router.width == width and block + 2 <= capacity
+                      and (router.bias_address is None or router.bias_length >= block + 2))
+            packed.append(_Router(router.scorer_address, router.bias_address) if usable else None)
+        addresses = [None if entry is None else ctypes.addressof(entry) for entry in packed]
+        call, stream, rows = _library.vr_push_route_whole, self._address, self.routed_rows
+        sources, gated = self._row_sources, self._row_gated
+
+        def route(block: int, output: Tensor, routed_input: Tensor) -> int | None:
+            row = self.routers_run
+            address = addresses[block] if block < len(addresses) else None
+            # Checked before the foreign call, as in `push_route`: a wrong size or layout would be read past in C.
+            if (address is None or row >= capacity or output.dtype is not torch.float32 or not output.is_cpu
+                    or not output.is_contiguous() or output.numel() != size
+                    or (routed_input is not self._last_routed and not _is_plain(routed_input, size))):
+                return None
+            call(stream, block + 1, output.data_ptr(), routed_input.data_ptr(), row, address)
+            self.routers_run = row + 1
+            self._last_routed = rows[row]
+            sources[row] = block + 2
+            gated[row] = False
+            return row
+
+        route.packed = packed  # the structs the addresses point into live as long as the function
+        return route
+
     def _wrote(self, row: int, sources: int, gated: bool) -> int:
         """Record what the call into `row` wrote: a router over `sources` sources, with a gate or not."""
         self.routers_run = row + 1
@@ -459,6 +508,10 @@ class KernelParams(NamedTuple):
 def _is_plain(tensor: Tensor, size: int) -> bool:
     """A contiguous fp32 CPU tensor of `size` elements: what the kernels may read as a float array."""
     return tensor.dtype is torch.float32 and tensor.is_cpu and tensor.is_contiguous() and tensor.numel() == size
+
+
+class _Router(ctypes.Structure):
+    _fields_ = [("scorer", ctypes.c_void_p), ("bias", ctypes.c_void_p)]
 
 
 class _Stream(ctypes.Structure):

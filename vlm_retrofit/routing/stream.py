@@ -301,13 +301,14 @@ class StreamState:
         nothing else. A decoding step runs it between layers whose weights evict every cache, where each Python
         operation costs several times its warm price: the general path (`RouterAdapter._push_and_mix`) spent as
         much again on its checks for skip policies, dropped sources and gates, none of which a whole forward has."""
-        stack, params = self.stack, self.fused_params
+        stack = self.stack
         native = stack.native
-        push_route, rows, fused_rows = native.push_route, native.routed_rows, self.fused_rows
+        route, rows, fused_rows = native.whole_routing(self.fused_params), native.routed_rows, self.fused_rows
 
         def route_whole(block: int, output: Tensor, key: str) -> Tensor | None:
             count = stack._count
-            row = push_route(count, output, self.routed_input, False, params[block], count + 1)
+            # Block b's delta goes to slot b + 1 where every earlier block pushed one (else: the general path).
+            row = route(block, output, self.routed_input) if count == block + 1 else None
             if row is None:
                 return None
             stack._count = count + 1
