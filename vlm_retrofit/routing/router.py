@@ -156,6 +156,8 @@ def folded_for_inference(module: nn.Module, query: Tensor, gain: Tensor,
     cached = module.__dict__.get("_folded_cache")
     if cached is None or cached[0] != key:
         scorer = query * gain
-        cached = (key, scorer, KernelParams.of(scorer, bias))
+        # The cache holds the query and gain it was made from: a parameter replaced by another (assigned, loaded
+        # with assign=True) could otherwise be allocated at the freed one's address with the same version count.
+        cached = (key, scorer, KernelParams.of(scorer, bias), query, gain)
         module.__dict__["_folded_cache"] = cached
     return cached[1], cached[2]
