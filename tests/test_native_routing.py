@@ -507,3 +507,48 @@ def test_whole_forward_routing_equals_push_route_and_declines_what_it_cannot_tak
         assert route(1, outputs[2].transpose(1, 2).contiguous().transpose(1, 2), routed_together) is None
         assert route(1, outputs[2].double(), routed_together) is None
     assert together.native.routers_run == 2
+
+
+@needs_compiler
+def test_a_same_shape_forward_leaves_a_held_routed_input_alone():
+    """A caller keeping the very row object a layer received (no view: no storage user more) stops the stream's
+    reuse too; before, the next forward of the same shape routed into it."""
+    model, tokenizer = tiny_vlm("llama", num_hidden_layers=4)
+    attach_routers(model, RouterConfig(block_size=1, init_scale=0.5))
+    prompt = tiny_inputs(tokenizer, batch=1)["input_ids"]
+    held = []
+    handle = model.model.layers[2].register_forward_hook(lambda module, args, output: held.append(args[0]))
+    with torch.no_grad():
+        model(input_ids=prompt)
+        saved = held[0].clone()
+        model(input_ids=prompt.flip(1))  # the same shape, other tokens: other routed inputs
+    handle.remove()
+    assert not torch.equal(held[1], saved)
+    assert torch.equal(held[0], saved)
+
+
+def test_the_kernels_buffers_stay_on_the_cpu_and_outside_inference_mode_when_asked_outside_it():
+    """Kept memory made under inference_mode is not handed to a forward outside it (its writes would raise), and
+    buffers are CPU memory whatever the default device (the kernels write through their addresses)."""
+    buffers = native.StreamBuffers()
+    with torch.inference_mode():
+        made_inside = buffers.empty("present", (2, 3), torch.bool)
+    del made_inside
+    with torch.no_grad():
+        outside = buffers.empty("present", (2, 3), torch.bool)
+        outside.fill_(True)
+    assert not outside.is_inference()
+    with torch.device("meta"):
+        assert buffers.empty("values", (2, 3), torch.float32).device.type == "cpu"
+        assert native.stream_buffer(None, "values", (2, 3), torch.float32).device.type == "cpu"
+
+
+@needs_compiler
+def test_generation_after_a_forward_under_inference_mode():
+    model, tokenizer = tiny_vlm("llama", num_hidden_layers=4)
+    attach_routers(model, RouterConfig(block_size=1, init_scale=0.5))
+    inputs = tiny_inputs(tokenizer, batch=1)
+    with torch.inference_mode():
+        model(**inputs)
+    out = model.generate(**inputs, max_new_tokens=3, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    assert out.shape[1] == inputs["input_ids"].shape[1] + 3

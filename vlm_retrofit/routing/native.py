@@ -270,9 +270,11 @@ class StreamBuffers:
         for size in shape:
             numel *= size
         flat = self._flat.get(name)
+        # Memory made under inference_mode cannot be written outside it (a Lightning validation, then generate).
         if (flat is None or flat.dtype != dtype or flat.numel() < numel or _storage_use_count is None
+                or flat.is_inference() != torch.is_inference_mode_enabled()
                 or _storage_use_count(flat.untyped_storage()._cdata) != _SOLE_USERS):
-            flat = torch.empty(max(numel, 1), dtype=dtype)
+            flat = torch.empty(max(numel, 1), dtype=dtype, device="cpu")  # not the default device: C writes it
             if _storage_use_count is not None and (name not in self._flat or self._flat[name].numel() <= numel):
                 self._flat[name] = flat
         return flat[:numel].view(shape)
@@ -280,7 +282,7 @@ class StreamBuffers:
 
 def stream_buffer(buffers: StreamBuffers | None, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
     """An uninitialised CPU tensor for a fused-kernel stream's buffer `name`: from `buffers`, or new (None)."""
-    return buffers.empty(name, shape, dtype) if buffers is not None else torch.empty(shape, dtype=dtype)
+    return buffers.empty(name, shape, dtype) if buffers is not None else torch.empty(shape, dtype=dtype, device="cpu")
 
 
 class NativeStream:
@@ -331,8 +333,12 @@ class NativeStream:
         users = self._storage_users()
         if users is None or users != self._own_users:
             return False
-        self.routers_run = 0
+        # The rows handed out are this stream's own row objects: a caller keeping one (a layer's routed input kept by
+        # a hook) adds a Python reference to it, not a storage user.
         self._last_routed = None
+        if _rows_held(self.routed_rows) or (self._gate_run_rows is not None and _rows_held(self._gate_run_rows)):
+            return False
+        self.routers_run = 0
         self._row_gated = [False] * self._capacity
         return True
 
@@ -437,7 +443,7 @@ class NativeStream:
             gated[row] = False
             return row
 
-        route.packed = packed  # the structs the addresses point into live as long as the function
+        route.packed = packed, params  # the structs and the tensors they point into live as long as the function
         return route
 
     def _wrote(self, row: int, sources: int, gated: bool) -> int:
@@ -477,6 +483,19 @@ def _sole_users() -> int | None:
 
 
 _SOLE_USERS = _sole_users()
+
+
+def _most_row_refs(rows: tuple[Tensor, ...]) -> int:
+    return max(sys.getrefcount(row) for row in rows)
+
+
+_FREE_ROW_REFS = _most_row_refs(torch.empty(2, 1).unbind(0))
+"""`_most_row_refs` of rows that only their tuple holds."""
+
+
+def _rows_held(rows: tuple[Tensor, ...]) -> bool:
+    """Whether anything besides the tuple `rows` holds one of its tensors."""
+    return _most_row_refs(rows) > _FREE_ROW_REFS
 
 
 def _bias_index(params: "KernelParams", slot_index: Tensor | None) -> int | None:
