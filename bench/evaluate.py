@@ -96,8 +96,8 @@ def paired_speed_ratios(model, inputs: dict[str, Any], method: Method, base_meth
     """One decode-speed ratio (tokens/s under `method` ÷ under `base_method`) per round, each from two adjacent
     generate calls in ABBA order: the base first in even rounds, `method` first in odd ones, so that a machine
     speeding up or slowing down during the measurement favours neither side. Each side first runs one short call,
-    untimed: a device's first calls pay one-off costs (CUDA's lazy initialisation and kernel choice), which made the
-    first round of a 2-round GPU measurement read the routed model 3x the base's speed."""
+    untimed: a device's first calls pay one-off costs (CUDA's lazy initialisation and kernel choice). Paid by the
+    first round's base call, they made a 2-round GPU measurement read the routed model 1.87x the base's speed."""
     for warm_up in (base_method, method):
         with warm_up():
             timed_generate(model, inputs, pad_token_id, WARM_UP_TOKENS)
