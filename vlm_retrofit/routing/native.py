@@ -82,16 +82,21 @@ void vr_route(const vr_stream* s, int64_t k, int64_t row, int any_absent, const 
               const float* bias, const int64_t* slot_index, const float* gate, const float* gate_bias) {
     const int64_t tokens = s->tokens, width = s->width;
     float* alpha = s->alpha + row * s->capacity * tokens;
-    /* Tokens in chunks, and within a chunk source by source: each pass then reads a source's rows of the chunk
-       in one run of memory, which a prefill's cold cache streams far faster than hopping between the sources of
-       one token. Every token's sums still run over its sources in order: the result is the token-by-token one. */
-    float top[VR_CHUNK], count[VR_CHUNK], total[VR_CHUNK];
+    /* Tokens in chunks, and within a chunk source by source, so that a prefill reads each source's rows of the
+       chunk in one run of memory; and one pass over the sources (an online softmax): each row is scored and mixed
+       while it is in the cache, the mix so far rescaled when a token meets a new largest score. Each token still
+       sums its sources in order. At uniform routing every weight is exactly 1 and the final factor count / total
+       exactly 1, so the mix is the residual stream's own sum, bit for bit (identity at init). */
+    float top[VR_CHUNK], count[VR_CHUNK], total[VR_CHUNK], sum[VR_CHUNK];
     for (int64_t t0 = 0; t0 < tokens; t0 += VR_CHUNK) {
         const int64_t n = tokens - t0 < VR_CHUNK ? tokens - t0 : VR_CHUNK;
+        float* routed = s->routed + (row * tokens + t0) * width;
+        for (int64_t j = 0; j < n * width; ++j) routed[j] = 0.0f;
         for (int64_t c = 0; c < n; ++c) {
             top[c] = -INFINITY;
             count[c] = 0.0f;
             total[c] = 0.0f;
+            sum[c] = 0.0f;
         }
         for (int64_t i = 0; i < k; ++i) {
             const float source_bias = bias ? bias[slot_index ? slot_index[i] : i] : 0.0f;
@@ -99,37 +104,42 @@ void vr_route(const vr_stream* s, int64_t k, int64_t row, int any_absent, const 
                 const int64_t t = t0 + c;
                 float logit = -INFINITY;
                 if (!any_absent || s->present[i * tokens + t]) {
-                    logit = dot_lanes(s->values + (i * tokens + t) * width, scorer, width) * s->inv_rms[i * tokens + t];
+                    const float* v = s->values + (i * tokens + t) * width;
+                    float* m = routed + c * width;
+                    logit = dot_lanes(v, scorer, width) * s->inv_rms[i * tokens + t];
                     if (bias) logit += source_bias;
                     count[c] += 1.0f;
-                    if (logit > top[c]) top[c] = logit;
+                    if (logit > top[c]) {
+                        if (top[c] != -INFINITY) {  /* the weights so far were relative to a smaller score */
+                            const float rescale = expf(top[c] - logit);
+                            total[c] *= rescale;
+                            for (int64_t j = 0; j < width; ++j) m[j] *= rescale;
+                        }
+                        top[c] = logit;
+                    }
+                    const float e = expf(logit - top[c]);
+                    total[c] += e;
+                    for (int64_t j = 0; j < width; ++j) m[j] += e * v[j];
                 }
                 alpha[i * tokens + t] = logit;
             }
         }
+        /* The weights reported (alpha) against each token's final largest score, as a two-pass softmax has them. */
         for (int64_t i = 0; i < k; ++i)
             for (int64_t c = 0; c < n; ++c) {
                 float* a = alpha + i * tokens + t0 + c;
-                float weight = *a == -INFINITY ? 0.0f : expf(*a - top[c]);
-                *a = weight;
-                total[c] += weight;
+                *a = *a == -INFINITY ? 0.0f : expf(*a - top[c]);
+                sum[c] += *a;
             }
-        float* routed = s->routed + (row * tokens + t0) * width;
-        for (int64_t j = 0; j < n * width; ++j) routed[j] = 0.0f;
-        /* count * alpha as e * (count / total): exactly 1 per source at uniform routing (every e is 1, total is
-           count), so the mix is then the residual stream's own sum of the sources, in its order. */
-        for (int64_t c = 0; c < n; ++c) count[c] = count[c] / total[c];
         for (int64_t i = 0; i < k; ++i)
-            for (int64_t c = 0; c < n; ++c) {
-                float* a = alpha + i * tokens + t0 + c;
-                float e = *a;
-                *a = e / total[c];
-                if (e == 0.0f) continue;
-                float scaled = e * count[c];
-                const float* v = s->values + (i * tokens + t0 + c) * width;
-                float* m = routed + c * width;
-                for (int64_t j = 0; j < width; ++j) m[j] += scaled * v[j];
-            }
+            for (int64_t c = 0; c < n; ++c) alpha[i * tokens + t0 + c] /= sum[c];
+        /* routed = count * sum_i alpha_i * values_i: the mix times count / total. */
+        for (int64_t c = 0; c < n; ++c) {
+            if (count[c] == 0.0f) continue;
+            const float factor = count[c] / total[c];
+            float* m = routed + c * width;
+            for (int64_t j = 0; j < width; ++j) m[j] *= factor;
+        }
         if (gate)
             for (int64_t c = 0; c < n; ++c) {
                 const float* m = routed + c * width;
