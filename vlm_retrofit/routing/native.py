@@ -27,7 +27,8 @@ ENV_SWITCH = "VLM_RETROFIT_NATIVE_ROUTING"
 
 # Decoding one token runs a router in front of every block: about ten tiny PyTorch ops whose dispatch costs
 # far more than their arithmetic (K x d multiply-adds). Each function below does one whole step in a single
-# call, in fp32, with the same formulas as the PyTorch path (see SourceStack / DepthRouter._mix_buffered).
+# call, in fp32, with the same function as the PyTorch path (see SourceStack / DepthRouter._mix_buffered; the
+# router's softmax computed online).
 # Sums run over the hidden dimension in eight interleaved lanes so the compiler can vectorise them
 # without -ffast-math (which would also break the -inf handling of absent sources).
 _SOURCE = r"""
