@@ -156,7 +156,7 @@ def test_every_buffered_mixing_path_equals_the_listed_layout():
 def test_a_decode_step_key_is_the_key_of_the_same_token_in_a_long_forward(routing_backend):
     """A token's key is the same alone (decoding) and among many (no cache): bitwise in PyTorch ops; the fused
     kernels sum its RMS in another order (as for every delta), the same order whatever the number of tokens."""
-    tokens = torch.randn(1, 300, 64) * 1000
+    tokens = torch.randn(1, 1000, 64) * 1000  # listed: above either layout's buffered limit
     with torch.no_grad():
         long_stack, short_stack = SourceStack(tokens, 2, 1e-6), SourceStack(tokens[:, -1:], 2, 1e-6)
         few_stack = SourceStack(tokens[:, -20:], 2, 1e-6)
@@ -221,7 +221,7 @@ def test_uniform_routing_is_the_residual_sum_bit_for_bit_in_the_listed_layout(k)
     """At init every mixing weight K * alpha is exactly 1: the mix is the sources' sum in the residual stream's order
     (K * softmax would round 1/K and K apart, ~1e-4 on a real model's logits)."""
     torch.manual_seed(k)
-    sources = [torch.randn(2, 70, 64) * 1000 for _ in range(k)]  # 140 tokens: the listed layout in any grad mode
+    sources = [torch.randn(2, 500, 64) * 1000 for _ in range(k)]  # 1000 tokens: listed in any grad mode
     residual = sources[0]
     for source in sources[1:]:
         residual = residual + source
