@@ -349,10 +349,10 @@ def test_gate_skipping_decides_the_same_through_the_fused_kernels(monkeypatch):
 
 
 @needs_compiler
-def test_fused_router_at_uniform_routing_is_the_residual_sum_bit_for_bit():
-    """At init a decode step's routed input is the plain sum of the stream's sources in the residual order, for
-    every source count (in fp32, (1/K) * K is not 1 for K = 41, 47, 55, 61, ...)."""
-    shape = (1, 1, 64)
+@pytest.mark.parametrize("shape", [(1, 1, 64), (2, 150, 64)])
+def test_fused_router_at_uniform_routing_is_the_residual_sum_bit_for_bit(shape):
+    """At init a routed input (a decode step's, a prefill's) is the plain sum of the stream's sources in the residual
+    order, for every source count (in fp32, (1/K) * K is not 1 for K = 41, 47, 55, 61, ...)."""
     first = torch.randn(shape) * 1000
     outputs = [torch.randn(shape) * 100 for _ in range(62)]
     with torch.no_grad():
@@ -550,5 +550,43 @@ def test_generation_after_a_forward_under_inference_mode():
     inputs = tiny_inputs(tokenizer, batch=1)
     with torch.inference_mode():
         model(**inputs)
+    out = model.generate(**inputs, max_new_tokens=3, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    assert out.shape[1] == inputs["input_ids"].shape[1] + 3
+
+
+@needs_compiler
+@pytest.mark.parametrize("minus_infinity_at", [0, 1])
+def test_a_minus_infinity_source_bias_weighs_nothing_in_the_kernels_too(minus_infinity_at, torch_routing, monkeypatch):
+    """A source whose bias is -inf takes weight 0, as in PyTorch's softmax, also where it is the first source scored
+    (the kernel's running largest score is then still -inf)."""
+    shape = (1, 70, 16)
+    steps = [("delta", torch.randn(shape), torch.randn(shape), None), ("delta", torch.randn(shape), torch.randn(shape), None)]
+    first = torch.randn(shape) * 10
+    router = _router(3)
+    with torch.no_grad():
+        router.bias[minus_infinity_at] = float("-inf")
+        monkeypatch.setattr(SourceStack, "buffer_max_tokens", 128)
+        expected = router(_stream(first, steps, 3))
+        monkeypatch.undo()
+        fused = _stream(first, steps, 3)
+        assert fused.native is not None
+        got = router(fused)
+    assert torch.isfinite(got[0]).all() and torch.isfinite(expected[0]).all()
+    assert (got[1][minus_infinity_at] == 0).all()
+    torch.testing.assert_close(got[1], expected[1], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(got[0], expected[0], atol=1e-4, rtol=1e-5)
+
+
+@needs_compiler
+def test_routers_without_source_bias_route_through_the_kernels():
+    model, tokenizer = tiny_vlm("llama", num_hidden_layers=4)
+    adapter = attach_routers(model, RouterConfig(block_size=1, source_bias=False, init_scale=0.5))
+    inputs = tiny_inputs(tokenizer, batch=1)
+    with torch.no_grad():
+        fused = model(**inputs).logits
+        assert adapter._state.stack.native is not None
+    with torch.enable_grad():  # the listed layout, PyTorch ops
+        listed = model(**inputs).logits.detach()
+    torch.testing.assert_close(fused, listed, atol=1e-5, rtol=1e-5)
     out = model.generate(**inputs, max_new_tokens=3, do_sample=False, pad_token_id=tokenizer.pad_token_id)
     assert out.shape[1] == inputs["input_ids"].shape[1] + 3

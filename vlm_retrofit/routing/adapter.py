@@ -141,6 +141,7 @@ class RouterAdapter(nn.Module):
             parameter.requires_grad_(True)
         self._frozen_by_attach = []
         self._drop_state()
+        self._stream_buffers = StreamBuffers()  # the kept stream memory goes with the hooks
         model = self._model_ref()
         if model is not None and _ATTACHED.get(model) is self:
             del _ATTACHED[model]

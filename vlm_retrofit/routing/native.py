@@ -118,7 +118,8 @@ void vr_route(const vr_stream* s, int64_t k, int64_t row, int any_absent, const 
                         }
                         top[c] = logit;
                     }
-                    const float e = expf(logit - top[c]);
+                    /* A -inf score (a -inf source bias) weighs 0, also while it is the largest yet (-inf - -inf). */
+                    const float e = logit == -INFINITY ? 0.0f : expf(logit - top[c]);
                     total[c] += e;
                     for (int64_t j = 0; j < width; ++j) m[j] += e * v[j];
                 }

@@ -46,7 +46,8 @@ class DepthRouter(nn.Module):
             query = torch.randn(hidden_size, generator=generator).mul_(init_scale).to(device)
         self.query = nn.Parameter(query)
         self.key_norm_weight = nn.Parameter(torch.ones(hidden_size, device=device))
-        self.bias = nn.Parameter(torch.zeros(num_sources, device=device)) if source_bias else None
+        # Registered even when absent: the decode path reads `_parameters["bias"]` (attribute access costs more).
+        self.register_parameter("bias", nn.Parameter(torch.zeros(num_sources, device=device)) if source_bias else None)
         self.num_sources = num_sources
 
     def forward(self, stack: "SourceStack") -> tuple[Tensor, Tensor]:
