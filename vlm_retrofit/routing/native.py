@@ -121,7 +121,8 @@ void vr_route(const vr_stream* s, int64_t k, int64_t row, int any_absent, const 
                     /* A -inf score (a -inf source bias) weighs 0, also while it is the largest yet (-inf - -inf). */
                     const float e = logit == -INFINITY ? 0.0f : expf(logit - top[c]);
                     total[c] += e;
-                    for (int64_t j = 0; j < width; ++j) m[j] += e * v[j];
+                    if (e != 0.0f)  /* a source of weight 0 adds nothing, not even 0 * inf */
+                        for (int64_t j = 0; j < width; ++j) m[j] += e * v[j];
                 }
                 alpha[i * tokens + t] = logit;
             }
