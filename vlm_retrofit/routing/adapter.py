@@ -191,9 +191,9 @@ class RouterAdapter(nn.Module):
             controller = self._controller
             if block == 0:
                 self._follow_device(hidden)
-                previous = self._drop_state().stack  # the last forward's own hold on its stream goes before reuse
-                stack = previous if previous is not None and previous.restart(hidden) else None
-                previous = None  # and before a new stream takes the memory it held (`StreamBuffers`)
+                stack = self._drop_state().stack  # the last forward's own hold on its stream goes before reuse
+                if stack is not None and not stack.restart(hidden):
+                    stack = None  # and before a new stream takes the memory it held (`StreamBuffers`)
                 if stack is None:
                     stack = SourceStack(hidden, self.layout.num_blocks + 1, self.config.key_norm_eps,
                                         self._stream_buffers)

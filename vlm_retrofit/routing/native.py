@@ -438,8 +438,7 @@ class NativeStream:
                       and (router.bias_address is None or router.bias_length >= block + 2))
             packed.append(_Router(router.scorer_address, router.bias_address) if usable else None)
         addresses = [None if entry is None else ctypes.addressof(entry) for entry in packed]
-        call, stream, rows = _library.vr_push_route_whole, self._address, self.routed_rows
-        sources, gated = self._row_sources, self._row_gated
+        call, stream = _library.vr_push_route_whole, self._address
 
         def route(block: int, output: Tensor, routed_input: Tensor) -> int | None:
             row = self.routers_run
@@ -450,11 +449,7 @@ class NativeStream:
                     or (routed_input is not self._last_routed and not _is_plain(routed_input, size))):
                 return None
             call(stream, block + 1, output.data_ptr(), routed_input.data_ptr(), row, address)
-            self.routers_run = row + 1
-            self._last_routed = rows[row]
-            sources[row] = block + 2
-            gated[row] = False
-            return row
+            return self._wrote(row, block + 2, False)
 
         route.packed = packed, params  # the structs and the tensors they point into live as long as the function
         return route
