@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from .run import RUNS, VARIANTS, fast_bf16, selected_variants
+from .run import RUNS, VARIANTS, selected_variants
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,15 +61,14 @@ def main(argv: list[str] | None = None) -> int:
     from . import efficientnet_tower  # noqa: F401  registers the vision tower's config before any loading
     from .data import write_bench_shards
     from .real_vlm import build_real_vlm
-    from .run import train_variant, training_shards
+    from .run import train_variant, training_precision, training_shards
 
     manifest = write_bench_shards()
     backbone = str(build_real_vlm())
     shards = training_shards(manifest)
     removal = {"removal_order": list(args.removal), "max_removed_blocks": len(args.removal),
                "min_removed_blocks": len(args.removal)}
-    precision = args.train_precision or ("bf16-mixed" if fast_bf16(args.device) else "32-true")
-    dtype = "bfloat16" if precision == "bf16-mixed" else None
+    precision, dtype = training_precision(args.device, args.train_precision)
     print(f"[{time.time() - started:7.1f}s] training {variant.name} for {args.train_minutes} min, removal "
           f"{args.removal}, batch {args.batch_size}, lr x{args.lr_scale}, {precision}", flush=True)
     info = train_variant(variant, backbone, shards, args.train_minutes, args.batch_size, removal=removal,

@@ -370,6 +370,18 @@ def train_variant(variant: Variant, backbone: str, shards: dict[str, Any], minut
 
 
 # -- entry point ------------------------------------------------------------------------------------------
+def training_precision(device: str, precision: str | None = None, frozen_dtype: str | None = None,
+                       otherwise_dtype: str | None = None) -> tuple[str, str | None]:
+    """The training steps' precision and the frozen weights' dtype (None: float32), as `train_variant` takes them.
+
+    `precision` defaults to bf16-mixed where `device` has fast bf16 kernels, else 32-true; `frozen_dtype` to bfloat16
+    under bf16-mixed, else `otherwise_dtype`.
+    """
+    precision = precision or ("bf16-mixed" if fast_bf16(device) else "32-true")
+    dtype = frozen_dtype or ("bfloat16" if precision == "bf16-mixed" else otherwise_dtype)
+    return precision, None if dtype == "float32" else dtype
+
+
 def training_shards(manifest: dict[str, Any]) -> dict[str, Any]:
     """What the variants train and validate on, from the shards' manifest (`write_bench_shards`): drawn per sample,
     27 % captions and 73 % Austen (the share the fifteenth run's pooled shards gave on average)."""
@@ -526,9 +538,8 @@ def main(argv: list[str] | None = None) -> int:
     if stale:  # refused before any work: reusing them would mislabel rows
         raise SystemExit("trained adapters that do not match this run's training (delete them to retrain):\n  "
                          + "\n  ".join(stale))
-    if args.train_precision is None:
-        args.train_precision = "bf16-mixed" if fast_bf16(args.device) else "32-true"
-    train_dtype = args.train_dtype or ("bfloat16" if args.train_precision == "bf16-mixed" else args.dtype)
+    args.train_precision, train_dtype = training_precision(args.device, args.train_precision, args.train_dtype,
+                                                           args.dtype)
     training = {}
     for variant in variants:
         cached = (runs / variant.name / "train_info.json").is_file()
@@ -537,7 +548,7 @@ def main(argv: list[str] | None = None) -> int:
         training[variant.name] = train_variant(
             variant, args.backbone, shards, args.train_minutes, args.batch_size, removal=removals[variant.name],
             runs=runs, device=args.device,
-            dtype=None if train_dtype == "float32" else train_dtype, precision=args.train_precision,
+            dtype=train_dtype, precision=args.train_precision,
             num_workers=args.num_workers, lr_scale=args.lr_scale, decay_over=decay_over)
         log(f"trained {variant.name}: {training[variant.name]}")
 

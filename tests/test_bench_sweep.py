@@ -300,6 +300,17 @@ def test_training_arguments_scale_the_learning_rate_and_keep_the_recipe():
     assert {k: v for k, v in budget.items() if k != "total_steps"} == {k: v for k, v in plain.items() if k != "total_steps"}
 
 
+def test_training_precision_follows_the_device_and_the_options(monkeypatch):
+    import bench.run as run
+
+    monkeypatch.setattr(run, "fast_bf16", lambda device: device == "cuda")
+    assert run.training_precision("cpu") == ("32-true", None)  # no fast bf16 kernels: fp32 steps, fp32 weights
+    assert run.training_precision("cuda") == ("bf16-mixed", "bfloat16")
+    assert run.training_precision("cpu", "bf16-mixed") == ("bf16-mixed", "bfloat16")
+    assert run.training_precision("cuda", "32-true", None, "bfloat16") == ("32-true", "bfloat16")
+    assert run.training_precision("cuda", None, "float32") == ("bf16-mixed", None)
+
+
 def test_adapters_trained_otherwise_are_found_before_any_work(tmp_path):
     from bench.run import removal_settings, stale_runs, training_key
 
