@@ -217,6 +217,7 @@ def test_gpu_heal_script_passes_only_arguments_its_commands_accept():
     (train,), (read,) = _script_commands(script, "bench.heal"), _script_commands(script, "bench.measure")
     args = heal.build_parser().parse_args(train)
     assert args.variant == "lora_mlp_span" and args.device == "cuda" and args.removal == [13, 14, 15, 16, 17, 18]
+    assert "--seed" in train  # SEED reaches the training stream and the LoRA initialisation
     read_args = measure.build_parser().parse_args(read)
     assert read_args.device == "cuda" and read_args.dtype == "bfloat16" and read_args.eval_split == "test"
     # Both scripts share one setup (CUDA check, bundle unpack, project install).
