@@ -50,7 +50,7 @@ def test_pruned_model_equals_static_removal_and_reloads(family, tmp_path):
     torch.testing.assert_close(_real_logits(reloaded, inputs), expected, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3"])  # Gemma 3: masks and rotary chosen per layer type
+@pytest.mark.parametrize("family", ["llama", "gemma3", "aya_vision"])  # masks (and rotary) chosen per layer type
 def test_layers_removed_in_context_equals_static_removal_with_routers_at_init_with_and_without_cache(family):
     model, tokenizer = tiny_vlm(family, num_hidden_layers=6)
     inputs = dict(tiny_inputs(tokenizer, batch=2))  # left-padded: the cache of removed layers must not matter

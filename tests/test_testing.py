@@ -21,7 +21,7 @@ def _vocab(model):
 
 
 def test_families_are_model_types():
-    assert len(FAMILIES) == 12 and len(set(FAMILIES)) == 12
+    assert len(FAMILIES) == 15 and len(set(FAMILIES)) == 15
     assert FAMILIES[-2:] == ("llama", "qwen2")
 
 

@@ -33,6 +33,9 @@ FAMILIES: tuple[str, ...] = (
     "paligemma",
     "gemma3",
     "internvl",
+    "mistral3",
+    "llava_next",
+    "aya_vision",
     "llama",
     "qwen2",
 )
@@ -134,12 +137,24 @@ def _mrope(interleaved: bool):
     return fix
 
 
-def _gemma3_text(kw: dict, overrides: dict) -> None:
-    """Text-config fix: alternate sliding (window 16) / full attention layers; query scale 1/sqrt(head_dim)."""
+def _alternating_layers(kw: dict, overrides: dict) -> None:
+    """Text-config fix: alternate sliding (window 16) / full attention layers, so that each kind has a layer
+    between the first and the last (the skip-consistency check needs one of each that can skip)."""
     kw.setdefault("sliding_window", 16)
-    kw.setdefault("query_pre_attn_scalar", kw["head_dim"])
     kw.setdefault("layer_types", ["sliding_attention" if i % 2 == 0 else "full_attention"
                                   for i in range(kw["num_hidden_layers"])])
+
+
+def _gemma3_text(kw: dict, overrides: dict) -> None:
+    """Text-config fix: alternating sliding / full attention layers; query scale 1/sqrt(head_dim)."""
+    _alternating_layers(kw, overrides)
+    kw.setdefault("query_pre_attn_scalar", kw["head_dim"])
+
+
+def _full_attention(kw: dict, overrides: dict) -> None:
+    """Text-config fix: no sliding window (MistralConfig defaults to 4096; Mistral3Config's own default text
+    config, Mistral Small 3.1's, has none)."""
+    kw.setdefault("sliding_window", None)
 
 
 _QWEN_TOKENS = dict(
@@ -276,6 +291,55 @@ def _internvl_config(text, tok, proc):
                              image_seq_length=4, downsample_ratio=0.5)
 
 
+def _mistral3_processor(tok):
+    # Pixtral tiles images into (patch_size * spatial_merge_size)-px tokens: a 56 px image gives 2 x 2 [IMG]s.
+    ip = tf.PixtralImageProcessor(size={"longest_edge": 56}, patch_size={"height": 14, "width": 14})
+    return tf.PixtralProcessor(image_processor=ip, tokenizer=tok, patch_size=14, spatial_merge_size=2,
+                               chat_template=tok.chat_template)
+
+
+def _mistral3_config(text, tok, proc):
+    vision = tf.PixtralVisionConfig(**_VISION, image_size=56, patch_size=14, head_dim=16)
+    # Mistral Small 3.1 has its own output head; Mistral3Config's default would tie it to the embeddings.
+    return tf.Mistral3Config(vision_config=vision, text_config=text, image_token_index=proc.image_token_id,
+                             spatial_merge_size=2, vision_feature_layer=-1, tie_word_embeddings=False)
+
+
+def _llava_next_processor(tok):
+    ip = tf.LlavaNextImageProcessor(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28},
+                                    image_grid_pinpoints=_OV_PINPOINTS)
+    return tf.LlavaNextProcessor(image_processor=ip, tokenizer=tok, patch_size=14,
+                                 vision_feature_select_strategy="default", num_additional_image_tokens=1,
+                                 chat_template=tok.chat_template)
+
+
+def _llava_next_config(text, tok, proc):
+    vision = tf.CLIPVisionConfig(**_VISION, image_size=28, patch_size=14, projection_dim=32)
+    return tf.LlavaNextConfig(vision_config=vision, text_config=text, image_grid_pinpoints=_OV_PINPOINTS,
+                              image_token_index=proc.image_token_id, image_seq_length=4,
+                              vision_feature_select_strategy="default", vision_feature_layer=-2)
+
+
+_AYA_IMAGE_TOKENS = ("<|START_OF_IMG|>", "<|END_OF_IMG|>", "<|IMG_PATCH|>", "<|IMG_LINE_BREAK|>")
+
+
+def _aya_processor(tok):
+    # One 56 px tile per image (no crops): SigLIP's 4 x 4 patches, pixel-shuffled by 2, are 4 <|IMG_PATCH|>s.
+    ip = tf.GotOcr2ImageProcessor(size={"height": 56, "width": 56}, crop_to_patches=False)
+    return tf.AyaVisionProcessor(image_processor=ip, tokenizer=tok, patch_size=14, img_size=56, downsample_factor=2,
+                                 chat_template=tok.chat_template)
+
+
+def _aya_config(text, tok, proc):
+    vision = tf.SiglipVisionConfig(**_VISION, image_size=56, patch_size=14, vision_use_head=False)
+    return tf.AyaVisionConfig(vision_config=vision, text_config=text, image_token_index=proc.image_token_id,
+                              downsample_factor=2, vision_feature_select_strategy="full", vision_feature_layer=-1)
+
+
+# Mistral's "[INST]question[/INST]answer" turns; per message the helper can only prefix, so "[/INST]" opens answers.
+_MISTRAL_TEMPLATE = dict(turn="ROLE", end="", roles={"user": "[INST]", "assistant": "[/INST]",
+                                                     "system": "[SYSTEM_PROMPT]"}, bos="<s>")
+
 _IDEFICS_TOKENS = dict(bos_token="<|begin_of_text|>", eos_token="<end_of_utterance>", pad_token="<|finetune_pad|>",
                        image_token="<image>", fake_image_token="<fake_token_around_image>",
                        global_image_token="<global-img>", end_of_utterance_token="<end_of_utterance>")
@@ -336,6 +400,25 @@ _SPECS: dict[str, _Family] = {
              context_image_token="<IMG_CONTEXT>", video_token="<video>"),
         _chat_template(**_CHATML, image="<IMG_CONTEXT>\n"), _IM_START,
         processor=_internvl_processor, config=_internvl_config),
+    "mistral3": _Family(  # "<s>[INST][IMG]...[IMG_END]text[/INST]"
+        "Mistral3ForConditionalGeneration", "MistralConfig",
+        dict(bos_token="<s>", eos_token="</s>", pad_token="<pad>", image_token="[IMG]",
+             image_break_token="[IMG_BREAK]", image_end_token="[IMG_END]"),
+        _chat_template(image="[IMG]", **_MISTRAL_TEMPLATE),
+        processor=_mistral3_processor, config=_mistral3_config, text_fix=_full_attention),
+    "llava_next": _Family(  # LLaVA-NeXT on Mistral: "<s>[INST]<image>\ntext[/INST]"
+        "LlavaNextForConditionalGeneration", "MistralConfig",
+        dict(bos_token="<s>", eos_token="</s>", pad_token="<pad>", image_token="<image>"),
+        _chat_template(image="<image>\n", **_MISTRAL_TEMPLATE),
+        processor=_llava_next_processor, config=_llava_next_config, text_fix=_full_attention),
+    "aya_vision": _Family(  # Cohere 2 text: parallel attention + MLP; sliding layers rotate, full ones do not
+        "AyaVisionForConditionalGeneration", "Cohere2Config",
+        dict(bos_token="<BOS_TOKEN>", eos_token="<|END_OF_TURN_TOKEN|>", pad_token="<PAD>", image_token="<image>"),
+        _chat_template("<|START_OF_TURN_TOKEN|>ROLE", "<|END_OF_TURN_TOKEN|>", "<image>",
+                       {"user": "<|USER_TOKEN|>", "assistant": "<|CHATBOT_TOKEN|>", "system": "<|SYSTEM_TOKEN|>"},
+                       bos="<BOS_TOKEN>"),
+        ("<|START_OF_TURN_TOKEN|>", "<|USER_TOKEN|>", "<|CHATBOT_TOKEN|>", "<|SYSTEM_TOKEN|>", *_AYA_IMAGE_TOKENS),
+        processor=_aya_processor, config=_aya_config, text_fix=_alternating_layers),
     "llama": _Family(
         "LlamaForCausalLM", "LlamaConfig",
         dict(bos_token="<|begin_of_text|>", eos_token="<|eot_id|>", pad_token="<|finetune_pad|>"),

@@ -24,6 +24,8 @@ STANDARD_FAMILIES = (
     "smolvlm",
     "paligemma",
     "internvl",
+    "mistral3",
+    "llava_next",
     "llama",
     "qwen2",
 )
@@ -33,3 +35,7 @@ for _model_type in STANDARD_FAMILIES:
 register_backbone("qwen3_vl", BackboneSpec(never_skip_layers=_qwen3_vl_deepstack_layers))
 # Gemma 3 normalises the MLP output (post_feedforward_layernorm) before adding it to the stream.
 register_backbone("gemma3", BackboneSpec(mlp_output_attr=None))
+# Aya Vision's Cohere 2 text: each layer adds attention and MLP, both fed by `input_layernorm`, to the stream in
+# parallel (the kv-only path needs only that norm, and `mlp.down_proj` still adds its output unchanged); only its
+# sliding-window layers rotate keys, the full-attention ones use no position encoding at all.
+register_backbone("aya_vision", BackboneSpec(uses_rotary=lambda attention: attention.sliding_window is not None))
