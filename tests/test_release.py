@@ -303,6 +303,42 @@ def test_calibrate_merge_generate_commands(trained, tmp_path, capsys):
     assert "is a release" in capsys.readouterr().err and not (tmp_path / "elsewhere").exists()
 
 
+@pytest.mark.parametrize("device, message", [("banana", "not a device name torch knows"),
+                                             ("cuda:99", "--device cuda:99: torch sees")])
+def test_a_device_that_cannot_run_the_model_is_refused_before_loading(trained, capsys, monkeypatch, device, message):
+    import vlm_retrofit.commands as commands
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("refused too late: the model was being loaded")
+
+    monkeypatch.setattr(commands, "load_trained", no_load)
+    _, adapter_dir = trained
+    for command in (["generate", "--prompt", "Hi"], ["calibrate"]):
+        assert main([*command, "--model", str(adapter_dir), "--device", device]) == 1
+        assert message in capsys.readouterr().err
+
+
+def test_inputs_follow_the_device_and_other_entries_stay():
+    from vlm_retrofit.batch import on_device
+    from vlm_retrofit.hardware import device_problem
+
+    batch = {"input_ids": torch.ones(1, 3, dtype=torch.long), "skipped": {"corrupt_image": 1}}
+    moved = on_device(batch, "meta")
+    assert moved["input_ids"].device.type == "meta" and moved["skipped"] == {"corrupt_image": 1}
+    assert device_problem("cpu") is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_generate_and_calibrate_run_on_a_cuda_device(trained, tmp_path, capsys):
+    _, adapter_dir = trained
+    assert main(["calibrate", "--model", str(adapter_dir), "--target-saving", "0.2", "--batches", "1",
+                 "--device", "cuda", "--output", str(tmp_path / "calibrated")]) == 0
+    assert main(["generate", "--model", str(tmp_path / "calibrated"), "--prompt", "Hi", "--skip-policy",
+                 "recent_weight", "--target-saving", "0.2", "--max-new-tokens", "3", "--device", "cuda",
+                 "--compare-base"]) == 0
+    assert "agreement with the base's answer: " in capsys.readouterr().out
+
+
 def test_merge_and_generate_refuse_a_processor_without_a_chat_template_naming_it(trained, tmp_path, capsys,
                                                                                 monkeypatch):
     import vlm_retrofit.release as release

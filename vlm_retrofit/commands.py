@@ -14,8 +14,11 @@ import torch
 
 from .backbones.loading import require_chat_template
 from .files import check_replaceable, write_adapter_folder
-from .release import (HelpFormatter, Loaded, add_dtype_flag, add_trust_remote_code_flag, is_pruned_release,
-                      load_base_model, load_trained, refresh_model_card, summarize_pruning, warn_about_slow_dtype)
+from .batch import on_device
+from .hardware import device_problem
+from .release import (HelpFormatter, Loaded, add_device_flag, add_dtype_flag, add_trust_remote_code_flag,
+                      is_pruned_release, load_base_model, load_trained, refresh_model_card, summarize_pruning,
+                      warn_about_slow_dtype)
 from .skipping import POLICIES, SkipController, calibrate
 
 
@@ -67,9 +70,11 @@ def calibrate_main(argv: list[str] | None = None) -> int:
                                                        "for a checkpoint, <name>-adapter beside it)")
     add_trust_remote_code_flag(parser)
     add_dtype_flag(parser)
+    add_device_flag(parser)
     ns = parser.parse_args(argv)
     bad_targets = [t for t in ns.target_saving if not 0 < t < 1]
     problems = [f"--target-saving takes fractions between 0 and 1 (got {bad_targets})"] if bad_targets else []
+    problems += [problem] if (problem := device_problem(ns.device)) else []
     problems += [f"{option} must be at least 1, got {value}" for option, value in
                  (("--batches", ns.batches), ("--batch-size", ns.batch_size), ("--max-new-tokens", ns.max_new_tokens),
                   ("--candidates", ns.candidates)) if value is not None and value < 1]
@@ -86,7 +91,8 @@ def calibrate_main(argv: list[str] | None = None) -> int:
         return 1
     loaded = load_trained(source, ns.base, trust_remote_code=ns.trust_remote_code, torch_dtype=ns.dtype)
     if ns.dtype is None:
-        warn_about_slow_dtype("calibrate", loaded.model)
+        warn_about_slow_dtype("calibrate", loaded.model, ns.device)
+    loaded.model.to(ns.device)  # the routers follow it at its first forward
     try:
         output, in_place = _adapter_output(loaded, source, ns.output)  # before any work
     except ValueError as error:
@@ -109,6 +115,7 @@ def calibrate_main(argv: list[str] | None = None) -> int:
         print(f"calibrate refused: no calibration samples in {ns.shards or 'the synthetic val split'}",
               file=sys.stderr)
         return 1
+    batches = [on_device(batch, ns.device) for batch in batches]
     tokenizer = getattr(loaded.processor, "tokenizer", loaded.processor)
     prompts = [prompts_from_batch(batch, generation_pad_id(tokenizer)) for batch in batches]
     adapter = loaded.adapter
@@ -125,6 +132,8 @@ def calibrate_main(argv: list[str] | None = None) -> int:
         }
         print(f"{result.summary()}; generating: compute saved {100 * metrics['skip/compute_saved']:.1f} %, "
               f"token match {100 * metrics['skip/token_match']:.1f} %, ROUGE-L {metrics['skip/rouge_l']:.3f}")
+    loaded.model.to("cpu")  # written from the CPU, as every other adapter folder
+    adapter.to("cpu")
     if in_place:
         adapter.save_pretrained(output)
         if loaded.kind == "release":  # its model card quotes the calibration
@@ -162,7 +171,7 @@ def _tokens_per_second(generate, repeats: int = 2) -> float:
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
-        count = generate().numel()
+        count = generate().cpu().numel()  # the copy waits for an accelerator to finish
         best = min(best, (time.perf_counter() - start) / max(1, count))
     return 1.0 / best
 
@@ -170,7 +179,8 @@ def _tokens_per_second(generate, repeats: int = 2) -> float:
 def _compare_with_base(loaded: Loaded, base: str | None, generate_model, inputs: dict[str, Any], output: torch.Tensor,
                        options: dict[str, Any], tokenizer) -> None:
     """Print the unmodified base's answer, the agreement with it and the decode speed against it (batch 1)."""
-    base_model = load_base_model(loaded, base)
+    device = inputs["input_ids"].device
+    base_model = load_base_model(loaded, base).to(device)
     prompt_length = inputs["input_ids"].shape[1]
 
     def generate_base() -> torch.Tensor:
@@ -236,8 +246,9 @@ def generate_main(argv: list[str] | None = None) -> int:
                              "decode speed against it")
     add_trust_remote_code_flag(parser)
     add_dtype_flag(parser)
+    add_device_flag(parser)
     ns = parser.parse_args(argv)
-    problem = _skip_options_problem(ns)
+    problem = _skip_options_problem(ns) or device_problem(ns.device)
     if problem:
         print(f"generate refused: {problem}", file=sys.stderr)
         return 1
@@ -258,12 +269,14 @@ def generate_main(argv: list[str] | None = None) -> int:
         return 1
     loaded = load_trained(Path(ns.model), ns.base, trust_remote_code=ns.trust_remote_code, torch_dtype=ns.dtype)
     if ns.dtype is None:
-        warn_about_slow_dtype("generate", loaded.model)
+        warn_about_slow_dtype("generate", loaded.model, ns.device)
     try:
         inputs = chat_inputs(loaded.processor, ns.prompt, image, _processor_name(loaded, Path(ns.model)))
     except ValueError as error:
         print(f"generate refused: {error}", file=sys.stderr)
         return 1
+    loaded.model.to(ns.device)  # the routers follow it at its first forward
+    inputs = on_device(inputs, ns.device)
     settings: dict[str, Any] = {}
     if ns.threshold is not None:
         settings = {"thresholds" if ns.skip_policy == "recent_weight" else "threshold": ns.threshold}

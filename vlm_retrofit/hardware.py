@@ -28,6 +28,25 @@ def fast_bf16(device: str = "cpu") -> bool:
     return _cpu_has_fast_bf16() if kind == "cpu" else True  # other accelerators: their own business
 
 
+def device_problem(device: str) -> str | None:
+    """What stops a model from running on `device` here, as a refusal naming `--device` (None: nothing): a name torch
+    does not parse, or an accelerator it cannot see."""
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, ValueError) as error:
+        return f"--device {device!r} is not a device name torch knows ({error}); use cpu, cuda or cuda:N"
+    if parsed.type == "cpu":
+        return None
+    backend = getattr(torch, parsed.type, None)  # torch.cuda, torch.mps, torch.xpu
+    available = getattr(backend, "is_available", None)
+    if not callable(available) or not available():
+        return f"--device {device}: torch sees no {parsed.type} device on this machine; use --device cpu"
+    count = getattr(backend, "device_count", None)
+    if parsed.index is not None and callable(count) and parsed.index >= count():
+        return f"--device {device}: torch sees {count()} {parsed.type} device(s), numbered from 0"
+    return None
+
+
 @functools.lru_cache(maxsize=1)
 def _cpu_has_fast_bf16() -> bool:
     try:

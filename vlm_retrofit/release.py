@@ -275,6 +275,12 @@ def add_dtype_flag(parser: Any) -> None:
                              "release on a CPU without fast bf16 kernels: python -m vlm_retrofit.hardware)")
 
 
+def add_device_flag(parser: Any) -> None:
+    """`--device` for the commands that run what training or merging wrote."""
+    parser.add_argument("--device", default="cpu",
+                        help="where the model runs: cpu, cuda or cuda:N (the routers and the inputs follow it)")
+
+
 def warn_about_slow_dtype(command: str, model: nn.Module, device: str = "cpu") -> None:
     """One line on stderr where `model` holds bf16 weights that `device` has no fast kernels for."""
     from .hardware import fast_bf16  # here: `python -m vlm_retrofit.hardware` would find it imported already
