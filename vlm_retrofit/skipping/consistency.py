@@ -63,7 +63,7 @@ def check_skip_consistency(model: nn.Module, inputs: Mapping[str, Any], config: 
                              "nothing was checked; give one row, more new tokens or a higher rate")
     _check_coverage(model, adapter.layout, report.kv_only_layers, config)
     if torch.equal(cached.sequences, through_layers.sequences):
-        wrong = _differing_layers(cached.past_key_values, through_layers.past_key_values, kv_rtol)
+        wrong = _differing_layers(cached.cache, through_layers.cache, kv_rtol)
         if wrong:
             raise AssertionError(f"the kv-only path caches other K/V than the layers themselves do ({'; '.join(wrong)})"
                                  f". It ran {_kv_path(model)}; check these against the attention's forward "
