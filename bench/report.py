@@ -7,6 +7,11 @@ from pathlib import Path
 from typing import Any
 
 
+KEPT_MARKER = ("<!-- The generated report ends here. What follows was written by hand between runs and is kept "
+               "when `make bench` writes the report again. -->")
+"""Everything after this line of an existing RESULTS.md is carried into the next report written in its folder."""
+
+
 # -- report -------------------------------------------------------------------------------------------------
 def _fmt(value: Any, digits: int = 3) -> str:
     return "–" if value is None else (f"{value:.{digits}f}" if isinstance(value, float) else str(value))
@@ -129,4 +134,7 @@ def write_report(results: dict[str, Any], out_dir: Path) -> None:
                                  _fmt(r["agreement"]), _fmt(r.get("kl")), _fmt(r["ppl_ratio"]), _fmt(r["rouge_l"]),
                                  _fmt(r.get("rouge_l_ratio")), _speed(r, "b1"), _speed(r, "b8"), ""]).strip())
     lines += ["", results.get("notes", "")]
-    (out_dir / "RESULTS.md").write_text("\n".join(lines).rstrip() + "\n")
+    report = out_dir / "RESULTS.md"
+    # Measurements recorded between runs are not in results.json: a new run's report must not drop them.
+    kept = report.read_text().partition(KEPT_MARKER)[2] if report.is_file() else ""
+    report.write_text("\n".join(lines).rstrip() + "\n\n" + KEPT_MARKER + (kept or "\n"))

@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # bench/ is a folder at the repository root, not an installed package
 
-from bench.report import write_report  # noqa: E402
+from bench.report import KEPT_MARKER, write_report  # noqa: E402
 from bench.run import BASELINES_OUT, ROOT, VARIANTS, build_parser, report_dir, selected_variants  # noqa: E402
 from bench.evaluate import nullmethod, perplexity, routing_share, timed_routing  # noqa: E402
 from bench.sweep import Bench, EvalSet, measure_baselines, measure_pruned  # noqa: E402
@@ -223,6 +223,20 @@ def test_report_writes_json_markdown_and_plot(tmp_path):
     assert "lr 0.002 (cosine to 0.1x over 3 steps), routers off (identity, untrained): LoRA only" in table
     assert "`plain`: 3 steps in 0.8 of 1 min" in table and "`routed`: 3 steps in 1.0 min" in table
     assert (out / "pareto.png").stat().st_size > 0
+    # Measurements written by hand below the marker survive the next run's report; the analysis above it is the run's.
+    by_hand = "\n\n## Measured between runs\n\nA probe.\n"
+    (out / "RESULTS.md").write_text(table.rstrip("\n") + by_hand)
+    write_report({**results, "date": "2026-02-02", "notes": "The next run."}, out)
+    again = (out / "RESULTS.md").read_text()
+    assert again.endswith(KEPT_MARKER + by_hand) and again.count(KEPT_MARKER) == 1
+    assert "Run 2026-02-02" in again and "The next run." in again
+
+
+def test_the_recorded_analysis_is_the_one_results_json_holds():
+    # `make bench` writes RESULTS.md from results.json: an analysis edited in RESULTS.md alone would be lost by it.
+    recorded = (ROOT / "RESULTS.md").read_text()
+    notes = json.loads((ROOT / "results.json").read_text())["notes"]
+    assert notes and notes in recorded.partition(KEPT_MARKER)[0]
 
 
 def test_a_baselines_only_run_never_writes_over_the_recorded_report(tmp_path):
