@@ -53,9 +53,12 @@ def output_projection(spec: BackboneSpec, layer: nn.Module) -> nn.Module:
     post_norm = next((name for name in POST_MLP_NORMS if isinstance(getattr(layer, name, None), nn.Module)), None)
     if spec.mlp_output_attr is None or post_norm:
         # A family may hold both layouts under one model_type (PaliGemma 1 and 2): the layer decides, not the spec.
-        raise InputError(f"this backbone's layers normalise their MLP output before adding it to the stream "
-                         f"({post_norm or 'the family spec says so: mlp_output_attr None'}), so a linear replacement "
-                         "cannot be folded into its weights; prune without replacement")
+        # Without a norm, the spec's None is all there is to say (a mixture of experts has no single projection).
+        why = (f"normalise their MLP output before adding it to the stream ({post_norm})" if post_norm else
+               "add no single linear layer's output to the stream as their MLP update (the family spec says so: "
+               "mlp_output_attr None)")
+        raise InputError(f"this backbone's layers {why}, so a linear replacement cannot be folded into its weights; "
+                         "prune without replacement")
     module = layer
     for name in spec.mlp_output_attr.split("."):
         module = getattr(module, name, None)

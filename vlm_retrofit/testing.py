@@ -36,6 +36,8 @@ FAMILIES: tuple[str, ...] = (
     "mistral3",
     "llava_next",
     "aya_vision",
+    "qwen3_vl_moe",
+    "glm4v",
     "llama",
     "qwen2",
 )
@@ -120,14 +122,17 @@ def _ids(tok, **names: str) -> dict[str, int]:
     return {k: tok.convert_tokens_to_ids(v) for k, v in names.items()}
 
 
-def _mrope(interleaved: bool):
-    """Text-config fix: M-RoPE sections (T, H, W) summing to head_dim / 2."""
+def _mrope(interleaved: bool, partial: float = 1.0):
+    """Text-config fix: M-RoPE sections (T, H, W) summing to half the rotated channels of a head (head_dim / 2, or
+    less where only the first `partial` of each head is rotated)."""
 
     def fix(kw: dict, overrides: dict) -> None:
         if "rope_parameters" in overrides:
             return
-        half = kw["head_dim"] // 2
+        half = int(kw["head_dim"] * partial) // 2
         rope = {"rope_type": "default", "rope_theta": 10000.0}
+        if partial < 1:
+            rope["partial_rotary_factor"] = partial
         if interleaved:  # Qwen3-VL interleaves T/H/W: H and W each need 3 * section <= head_dim / 2
             rope.update(mrope_section=[half - 2 * (half // 4), half // 4, half // 4], mrope_interleaved=True)
         else:
@@ -149,6 +154,14 @@ def _gemma3_text(kw: dict, overrides: dict) -> None:
     """Text-config fix: alternating sliding / full attention layers; query scale 1/sqrt(head_dim)."""
     _alternating_layers(kw, overrides)
     kw.setdefault("query_pre_attn_scalar", kw["head_dim"])
+
+
+def _qwen3_moe_text(kw: dict, overrides: dict) -> None:
+    """Text-config fix: interleaved M-RoPE; every layer's MLP is 4 tiny experts, 2 of them per token."""
+    _mrope(True)(kw, overrides)
+    kw.setdefault("num_experts", 4)
+    kw.setdefault("num_experts_per_tok", 2)
+    kw.setdefault("moe_intermediate_size", 32)
 
 
 def _full_attention(kw: dict, overrides: dict) -> None:
@@ -336,6 +349,23 @@ def _aya_config(text, tok, proc):
                               downsample_factor=2, vision_feature_select_strategy="full", vision_feature_layer=-1)
 
 
+def _glm4v_processor(tok):
+    # Qwen2-VL-style flattened patches: a 56 px image is 4 x 4 patches of 14 px, merged 2 x 2 into 4 <|image|>s.
+    kw = dict(patch_size=14, merge_size=2, temporal_patch_size=2,
+              size={"shortest_edge": 2 * 28 * 28, "longest_edge": 2 * 56 * 56})  # pixels x 2 frames
+    return tf.Glm4vProcessor(image_processor=tf.Glm4vImageProcessor(**kw), tokenizer=tok,
+                             video_processor=tf.Glm4vVideoProcessor(**kw), chat_template=tok.chat_template)
+
+
+def _glm4v_config(text, tok, proc):
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, image_size=56, patch_size=14,
+                  spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=text.hidden_size)
+    ids = _ids(tok, image_token_id="<|image|>", video_token_id="<|video|>", image_start_token_id="<|begin_of_image|>",
+               image_end_token_id="<|end_of_image|>", video_start_token_id="<|begin_of_video|>",
+               video_end_token_id="<|end_of_video|>")
+    return tf.Glm4vConfig(text_config=text, vision_config=vision, **ids)
+
+
 # Mistral's "[INST]question[/INST]answer" turns; per message the helper can only prefix, so "[/INST]" opens answers.
 _MISTRAL_TEMPLATE = dict(turn="ROLE", end="", roles={"user": "[INST]", "assistant": "[/INST]",
                                                      "system": "[SYSTEM_PROMPT]"}, bos="<s>")
@@ -419,6 +449,19 @@ _SPECS: dict[str, _Family] = {
                        bos="<BOS_TOKEN>"),
         ("<|START_OF_TURN_TOKEN|>", "<|USER_TOKEN|>", "<|CHATBOT_TOKEN|>", "<|SYSTEM_TOKEN|>", *_AYA_IMAGE_TOKENS),
         processor=_aya_processor, config=_aya_config, text_fix=_alternating_layers),
+    "qwen3_vl_moe": _Family(  # Qwen3-VL with a mixture-of-experts MLP in every layer
+        "Qwen3VLMoeForConditionalGeneration", "Qwen3VLMoeTextConfig", _QWEN_TOKENS, _QWEN_TEMPLATE, _IM_START,
+        processor=_qwen_processor("Qwen3VLProcessor", "Qwen3VLVideoProcessor", 16),
+        config=_qwen_config("Qwen3VLMoeConfig", 3), text_fix=_qwen3_moe_text),
+    # GLM-4.1V: "[gMASK]<sop><|user|>\n<|begin_of_image|><|image|>...<|end_of_image|>text<|assistant|>\n"; an answer
+    # ends where the next turn opens (<|user|>, one of GLM's eos ids), and half of each head is rotated.
+    "glm4v": _Family(
+        "Glm4vForConditionalGeneration", "Glm4vTextConfig",
+        dict(eos_token="<|user|>", pad_token="<|endoftext|>", image_token="<|image|>", video_token="<|video|>"),
+        _chat_template("<|ROLE|>\n", "", "<|begin_of_image|><|image|><|end_of_image|>", bos="[gMASK]<sop>"),
+        ("[gMASK]", "<sop>", "<|system|>", "<|assistant|>", "<|begin_of_image|>", "<|end_of_image|>",
+         "<|begin_of_video|>", "<|end_of_video|>"),
+        processor=_glm4v_processor, config=_glm4v_config, text_fix=_mrope(False, partial=0.5)),
     "llama": _Family(
         "LlamaForCausalLM", "LlamaConfig",
         dict(bos_token="<|begin_of_text|>", eos_token="<|eot_id|>", pad_token="<|finetune_pad|>"),

@@ -15,6 +15,14 @@ def _qwen3_vl_deepstack_layers(config: Any) -> Sequence[int]:
     return tuple(range(len(config.vision_config.deepstack_visual_indexes or ())))
 
 
+def _glm4v_rotary(q, k, cos, sin, *args: Any, **kwargs: Any):
+    # GLM-4.1V's own: it rotates the first cos.shape[-1] channels of each head (pairing adjacent ones) and passes the
+    # rest through. Imported when a layer skips, so that registering the family does not load its modeling module.
+    from transformers.models.glm4v.modeling_glm4v import apply_rotary_pos_emb
+
+    return apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs)
+
+
 STANDARD_FAMILIES = (
     "qwen2_vl",
     "qwen2_5_vl",
@@ -33,9 +41,17 @@ STANDARD_FAMILIES = (
 for _model_type in STANDARD_FAMILIES:
     register_backbone(_model_type, STANDARD)
 register_backbone("qwen3_vl", BackboneSpec(never_skip_layers=_qwen3_vl_deepstack_layers))
+# Qwen3-VL-MoE: Qwen3-VL's deepstack with a mixture of experts as each layer's MLP, whose experts keep their output
+# projections stacked in one parameter (`mlp.experts.down_proj`) and add their outputs weighted per token: there is
+# no single linear layer to fold a replacement into.
+register_backbone("qwen3_vl_moe", BackboneSpec(never_skip_layers=_qwen3_vl_deepstack_layers, mlp_output_attr=None))
 # Gemma 3 normalises the MLP output (post_feedforward_layernorm) before adding it to the stream.
 register_backbone("gemma3", BackboneSpec(mlp_output_attr=None))
 # Aya Vision's Cohere 2 text: each layer adds attention and MLP, both fed by `input_layernorm`, to the stream in
 # parallel (the kv-only path needs only that norm, and `mlp.down_proj` still adds its output unchanged); only its
 # sliding-window layers rotate keys, the full-attention ones use no position encoding at all.
 register_backbone("aya_vision", BackboneSpec(uses_rotary=lambda attention: attention.sliding_window is not None))
+# GLM-4.1V's GLM-4 text normalises the attention and the MLP outputs (post_self_attn_layernorm, post_mlp_layernorm)
+# before adding them to the stream, and rotates only part of each head (partial_rotary_factor 0.5), which its own
+# apply_rotary_pos_emb does; the kv-only path is refused until the spec names such a function.
+register_backbone("glm4v", BackboneSpec(rotary_fn=_glm4v_rotary, mlp_output_attr=None))
