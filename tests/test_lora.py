@@ -1,5 +1,7 @@
 """Routers and a `peft` LoRA on the same backbone: either order, save/reload, and LoRA merging."""
 
+import re
+
 import pytest
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
@@ -95,3 +97,21 @@ def test_merging_the_lora_keeps_the_routers_when_it_trained_the_final_norm(tmp_p
     restored = RouterAdapter.from_pretrained(merged, tmp_path / "routers", base=tiny_vlm("llama")[0])
     torch.testing.assert_close(_logits(merged, inputs), expected, atol=1e-5, rtol=0)
     assert restored.fingerprint == adapter.fingerprint
+
+
+@pytest.mark.parametrize("family, targets, missing", [("llama", ["q_proj", "o_prj"], "['o_prj']"),
+                                                      ("qwen3_vl_moe", ["q_proj", "down_proj"], "['down_proj']")])
+def test_lora_target_names_no_module_has_are_refused_not_dropped(family, targets, missing):
+    # PEFT adapts the names it finds and drops the others silently: a typo, or an expert projection that a mixture
+    # of experts keeps as a parameter, would train a LoRA without them.
+    from vlm_retrofit.errors import InputError
+    from vlm_retrofit.training import RetrofitModule
+
+    with pytest.raises(InputError, match=re.escape(f"lora.target_modules names {missing}, which no module")):
+        RetrofitModule(backbone=f"tiny:{family}", lora={"r": 2, "target_modules": targets}, train_routers=False,
+                       max_removed_blocks=1, removal_order=[2], max_drop_rate=0.0)
+    model, _ = tiny_vlm(family)
+    full_names = [name for name, _ in model.named_modules() if name.endswith("layers.1.self_attn.q_proj")]
+    module = RetrofitModule(backbone=f"tiny:{family}", lora={"r": 2, "target_modules": full_names + ["v_proj"]},
+                            train_routers=False, max_removed_blocks=1, removal_order=[2], max_drop_rate=0.0)
+    assert module._lora_layers  # whole names and last parts, as PEFT matches them, are found

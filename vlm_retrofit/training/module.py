@@ -32,7 +32,8 @@ from .checkpoint import (CHECKPOINT_KEY, check_checkpoint, check_optimizer_setti
 from .losses import (PENALTIES, compute_penalty, distillation_kl, drop_rate_at, hidden_state_distillation,
                      routing_entropies)
 from .optim import SCHEDULES, base_lr, build_optimizer, lr_lambda
-from .peft_layers import adapter_switches, adapters_disabled, autocast_lora_inputs, copies_trained_in_fp32, lora_addmm
+from .peft_layers import (adapter_switches, adapters_disabled, autocast_lora_inputs, copies_trained_in_fp32,
+                          lora_addmm, unmatched_lora_targets)
 from .prefix import first_adapted_layer, head_rows_selected, layer_input_captured, layer_input_replaced
 
 log = logging.getLogger("vlm_retrofit.training")
@@ -321,6 +322,12 @@ class RetrofitModule(pl.LightningModule):
         if lora:
             from peft import LoraConfig, get_peft_model
 
+            missing = unmatched_lora_targets(model, dict(lora).get("target_modules"))
+            if missing:
+                raise InputError(f"lora.target_modules names {missing}, which no module of this backbone "
+                                 f"({model.config.model_type}) is called: the LoRA would leave them out silently. "
+                                 "Correct or drop them (a mixture of experts keeps its experts' projections as "
+                                 "parameters, not modules: PEFT's target_parameters reaches those)")
             model = get_peft_model(model, LoraConfig(**dict(lora)))
             model.eval()  # new LoRA layers start in train mode; the whole backbone runs in eval mode
         self.model = model

@@ -14,6 +14,17 @@ from torch import Tensor, nn
 from ..backbones.loading import floating_dtype, half_precision
 
 
+def unmatched_lora_targets(model: nn.Module, target_modules: Any) -> list[str]:
+    """The names of a list `target_modules` that no module of `model` is called, as PEFT matches them (the whole
+    name or its last dotted parts): PEFT adapts the others and drops these silently. [] for a regex string or
+    "all-linear", whose matching PEFT checks itself."""
+    if not isinstance(target_modules, (list, tuple, set)):
+        return []
+    names = [name for name, _ in model.named_modules()]
+    return [target for target in target_modules
+            if not any(name == target or name.endswith("." + target) for name in names)]
+
+
 def adapter_switches(model: nn.Module) -> list[nn.Module]:
     """What PEFT's `disable_adapter()` switches off: its tuner layers (LoRA, trainable tokens) and the wrappers of
     `modules_to_save` (empty without peft or without an adapter)."""
