@@ -92,12 +92,12 @@ def calibrate_main(argv: list[str] | None = None) -> int:
     loaded = load_trained(source, ns.base, trust_remote_code=ns.trust_remote_code, torch_dtype=ns.dtype)
     if ns.dtype is None:
         warn_about_slow_dtype("calibrate", loaded.model, ns.device)
-    loaded.model.to(ns.device)  # the routers follow it at its first forward
     try:
         output, in_place = _adapter_output(loaded, source, ns.output)  # before any work
     except ValueError as error:
         print(f"calibrate refused: {error}", file=sys.stderr)
         return 1
+    loaded.model.to(ns.device)  # the routers follow it at its first forward
     data = WebDatasetDataModule(processor=_processor_name(loaded, source), train_shards=ns.shards,
                                 val_shards=ns.shards, batch_size=ns.batch_size, num_workers=0,
                                 add_quality_callback=False)
