@@ -75,6 +75,37 @@ def test_layers_removed_in_context_equals_static_removal_with_routers_at_init_wi
     assert torch.equal(deleted_tokens, static_tokens)
 
 
+def test_lfm2_vl_prunes_attention_layers_between_its_convolution_layers(tmp_path):
+    """LFM2's convolution layers never skip (they have no kv-only path), but nothing is injected at their index: the
+    attention layers between them prune, and the convolution layers after them take their new numbers (the slots of
+    their conv states in the hybrid cache) and layer types."""
+    model, processor = tiny_vlm("lfm2_vl", num_hidden_layers=6, layer_types=["full_attention", "conv"] * 3)
+    inputs = tiny_inputs(processor)
+    adapter = attach_routers(model, RouterConfig(block_size=1))
+    assert adapter.layout.skippable_blocks == (2, 4)
+    with torch.no_grad(), adapter.skipping("static", blocks=[2, 4]):
+        expected = _real_logits(model, inputs)
+        expected_tokens = model.generate(**inputs, max_new_tokens=5, do_sample=False)
+    spec = adapter.spec
+    adapter.detach()
+    with torch.no_grad(), layers_removed(model, spec, [2, 4]):
+        torch.testing.assert_close(_real_logits(model, inputs), expected, atol=1e-5, rtol=0)
+        assert torch.equal(model.generate(**inputs, max_new_tokens=5, do_sample=False), expected_tokens)
+    assert [layer.conv.layer_idx for layer in spec.get_layers(model)[1::2]] == [1, 3, 5]  # restored
+    assert model.config.get_text_config().layer_types == ["full_attention", "conv"] * 3
+
+    assert prune_layers(model, spec, [2, 4]) == [2, 4]
+    assert model.config.get_text_config().layer_types == ["full_attention", "conv", "conv", "conv"]
+    assert [layer.conv.layer_idx for layer in spec.get_layers(model)[1:]] == [1, 2, 3]
+    torch.testing.assert_close(_real_logits(model, inputs), expected, atol=1e-5, rtol=0)
+    with torch.no_grad():
+        assert torch.equal(model.generate(**inputs, max_new_tokens=5, do_sample=False), expected_tokens)
+    model.save_pretrained(tmp_path)
+    processor.save_pretrained(tmp_path)
+    reloaded, _ = load_backbone(str(tmp_path))
+    torch.testing.assert_close(_real_logits(reloaded, inputs), expected, atol=1e-4, rtol=0)
+
+
 def test_prune_layers_refuses_bad_requests():
     model, _ = tiny_vlm("llama")
     spec = attach_routers(model, RouterConfig()).spec

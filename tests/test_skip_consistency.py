@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
 from vlm_retrofit import RouterConfig, attach_routers
 from vlm_retrofit.backbones import resolve
@@ -160,6 +161,9 @@ def test_kv_only_cache_write_equals_what_the_attention_layer_writes(family):
     assert fast_report.layer_calls["kv_only"] > 0 and slow_report.layer_calls["kv_only"] == 0
     assert torch.equal(fast.sequences, slow.sequences)
     for fast_layer, slow_layer in zip(fast.past_key_values.layers, slow.past_key_values.layers):
+        if isinstance(slow_layer, LinearAttentionCacheLayerMixin):  # a hybrid's convolution layer: it always runs
+            torch.testing.assert_close(fast_layer.conv_states, slow_layer.conv_states, atol=1e-6, rtol=0)
+            continue
         torch.testing.assert_close(fast_layer.keys, slow_layer.keys, atol=1e-6, rtol=0)
         torch.testing.assert_close(fast_layer.values, slow_layer.values, atol=1e-6, rtol=0)
 
@@ -181,9 +185,13 @@ def test_static_removal_writes_no_cache_for_removed_blocks_and_equals_the_uncach
     # Layer 0 and the first layer of each attention type size HF's masks: a block holding one keeps kv-only.
     cacheless = adapter.layout.layers_of_blocks(controller.cacheless_blocks)
     assert cacheless and set(controller.cacheless_blocks) <= set(blocks)
-    lengths = [layer.keys.shape[2] if layer.is_initialized else 0 for layer in out.past_key_values.layers]
+    layers = out.past_key_values.layers
+    # A hybrid's convolution layers (LFM2) never skip: each holds its conv state, no K/V.
+    states = {i for i, layer in enumerate(layers) if isinstance(layer, LinearAttentionCacheLayerMixin)}
+    assert not states & set(cacheless) and all(layers[i].is_conv_states_initialized[0] for i in states)
+    lengths = [layer.keys.shape[2] if i not in states and layer.is_initialized else 0 for i, layer in enumerate(layers)]
     assert all(lengths[i] == 0 for i in cacheless)
-    assert all(length > 0 for i, length in enumerate(lengths) if i not in cacheless)
+    assert all(length > 0 for i, length in enumerate(lengths) if i not in set(cacheless) | states)
     assert report.layer_calls["skipped"] > 0 and report.decode.compute_saved > 0
     kept_kv = set(blocks) - set(controller.cacheless_blocks)
     assert (report.layer_calls["kv_only"] > 0) == bool(kept_kv)

@@ -38,6 +38,8 @@ FAMILIES: tuple[str, ...] = (
     "aya_vision",
     "qwen3_vl_moe",
     "glm4v",
+    "lfm2_vl",
+    "perception_lm",
     "llama",
     "qwen2",
 )
@@ -162,6 +164,14 @@ def _qwen3_moe_text(kw: dict, overrides: dict) -> None:
     kw.setdefault("num_experts", 4)
     kw.setdefault("num_experts_per_tok", 2)
     kw.setdefault("moe_intermediate_size", 32)
+
+
+def _lfm2_text(kw: dict, overrides: dict) -> None:
+    """Text-config fix: a short-convolution layer second in every six, GQA attention in the others (so a 6-layer
+    model's layers 2-5 can skip, be removed and take a q_proj / v_proj LoRA; the convolution layer never skips); the
+    MLP as wide as asked (LFM2 would shrink it to 2/3 and round it up to a multiple of 256)."""
+    kw.setdefault("layer_types", ["conv" if i % 6 == 1 else "full_attention" for i in range(kw["num_hidden_layers"])])
+    kw.setdefault("block_auto_adjust_ff_dim", False)
 
 
 def _full_attention(kw: dict, overrides: dict) -> None:
@@ -366,6 +376,39 @@ def _glm4v_config(text, tok, proc):
     return tf.Glm4vConfig(text_config=text, vision_config=vision, **ids)
 
 
+def _lfm2_vl_processor(tok):
+    # One tile per image (no splitting), resized to a multiple of 28 px of at most 4 tokens: SigLIP 2's 4 x 4 patches
+    # of 14 px of a 56 px image, unshuffled by 2, are 4 <image>s.
+    ip = tf.Lfm2VlImageProcessor(encoder_patch_size=14, downsample_factor=2, min_image_tokens=1, max_image_tokens=4,
+                                 do_image_splitting=False)
+    return tf.Lfm2VlProcessor(image_processor=ip, tokenizer=tok, chat_template=tok.chat_template)
+
+
+def _lfm2_vl_config(text, tok, proc):
+    vision = tf.Siglip2VisionConfig(**_VISION, patch_size=14, num_patches=16)
+    return tf.Lfm2VlConfig(vision_config=vision, text_config=text, image_token_id=proc.image_token_id,
+                           projector_hidden_size=text.hidden_size, downsample_factor=2)
+
+
+def _perception_lm_processor(tok):
+    # One 56 px tile per image ("vanilla": no thumbnail, no tiles): 4 x 4 patches of 14 px, pooled by 2 to 4 <|image|>s.
+    ip = tf.PerceptionLMImageProcessor(vision_input_type="vanilla", tile_size=56, max_num_tiles=1,
+                                       size={"height": 56, "width": 56})
+    vp = tf.PerceptionLMVideoProcessor(size={"height": 56, "width": 56})
+    return tf.PerceptionLMProcessor(video_processor=vp, image_processor=ip, tokenizer=tok, patch_size=14,
+                                    pooling_ratio=2, chat_template=tok.chat_template)
+
+
+def _perception_lm_config(text, tok, proc):
+    # The Perception Encoder is a timm model (TimmWrapper), and timm is no dependency: a CLIP ViT, which also puts a
+    # CLS token first, stands in; the projector reads the tower's width from `model_args` as it does timm's.
+    vision = tf.CLIPVisionConfig(**_VISION, image_size=56, patch_size=14,
+                                 model_args={"embed_dim": _VISION["hidden_size"]})
+    return tf.PerceptionLMConfig(vision_config=vision, text_config=text, vision_use_cls_token=True,
+                                 projector_pooling_ratio=2,
+                                 **_ids(tok, image_token_id="<|image|>", video_token_id="<|video|>"))
+
+
 # Mistral's "[INST]question[/INST]answer" turns; per message the helper can only prefix, so "[/INST]" opens answers.
 _MISTRAL_TEMPLATE = dict(turn="ROLE", end="", roles={"user": "[INST]", "assistant": "[/INST]",
                                                      "system": "[SYSTEM_PROMPT]"}, bos="<s>")
@@ -462,6 +505,23 @@ _SPECS: dict[str, _Family] = {
         ("[gMASK]", "<sop>", "<|system|>", "<|assistant|>", "<|begin_of_image|>", "<|end_of_image|>",
          "<|begin_of_video|>", "<|end_of_video|>"),
         processor=_glm4v_processor, config=_glm4v_config, text_fix=_mrope(False, partial=0.5)),
+    # LFM2-VL: SigLIP 2 + LFM2, whose layers are short gated convolutions (a conv-state cache) or GQA attention.
+    "lfm2_vl": _Family(
+        "Lfm2VlForConditionalGeneration", "Lfm2Config",
+        dict(bos_token="<|startoftext|>", eos_token="<|im_end|>", pad_token="<|pad|>", image_token="<image>",
+             image_start_token="<|image_start|>", image_end_token="<|image_end|>",
+             image_thumbnail_token="<|img_thumbnail|>"),
+        _chat_template(**_CHATML, image="<image>", bos="<|startoftext|>"), _IM_START,
+        processor=_lfm2_vl_processor, config=_lfm2_vl_config, text_fix=_lfm2_text),
+    # Perception LM: Perception Encoder + Llama 3 text, in Llama 3's turns; an <|image|> per pooled patch.
+    "perception_lm": _Family(
+        "PerceptionLMForConditionalGeneration", "LlamaConfig",
+        dict(bos_token="<|begin_of_text|>", eos_token="<|eot_id|>", pad_token="<|finetune_pad|>",
+             image_token="<|image|>", video_token="<|video|>"),
+        _chat_template("<|start_header_id|>ROLE<|end_header_id|>\n\n", "<|eot_id|>", "<|image|>",
+                       bos="<|begin_of_text|>"),
+        ("<|start_header_id|>", "<|end_header_id|>"),
+        processor=_perception_lm_processor, config=_perception_lm_config),
     "llama": _Family(
         "LlamaForCausalLM", "LlamaConfig",
         dict(bos_token="<|begin_of_text|>", eos_token="<|eot_id|>", pad_token="<|finetune_pad|>"),

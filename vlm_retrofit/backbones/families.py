@@ -15,6 +15,11 @@ def _qwen3_vl_deepstack_layers(config: Any) -> Sequence[int]:
     return tuple(range(len(config.vision_config.deepstack_visual_indexes or ())))
 
 
+def _lfm2_conv_layers(config: Any) -> Sequence[int]:
+    # LFM2's short-convolution layers have no attention, so no kv-only path: they always run.
+    return tuple(i for i, kind in enumerate(config.get_text_config().layer_types) if kind == "conv")
+
+
 def _glm4v_rotary(q, k, cos, sin, *args: Any, **kwargs: Any):
     # GLM-4.1V's own: it rotates the first cos.shape[-1] channels of each head (pairing adjacent ones) and passes the
     # rest through. Imported when a layer skips, so that registering the family does not load its modeling module.
@@ -34,6 +39,7 @@ STANDARD_FAMILIES = (
     "internvl",
     "mistral3",
     "llava_next",
+    "perception_lm",
     "llama",
     "qwen2",
 )
@@ -55,3 +61,9 @@ register_backbone("aya_vision", BackboneSpec(uses_rotary=lambda attention: atten
 # before adding them to the stream, and rotates only part of each head (partial_rotary_factor 0.5), which its own
 # apply_rotary_pos_emb does; the kv-only path is refused until the spec names such a function.
 register_backbone("glm4v", BackboneSpec(rotary_fn=_glm4v_rotary, mlp_output_attr=None))
+# LFM2-VL's LFM2 text: each layer runs a short gated convolution (its state in the hybrid cache) or GQA attention after
+# `operator_norm`, then `feed_forward` (w2 adds its output unchanged) after `ffn_norm`; the attention normalises each
+# key head (`k_layernorm`), and the decoder's final norm is called `embedding_norm`. The convolution layers never skip.
+register_backbone("lfm2_vl", BackboneSpec(final_norm_attr="embedding_norm", input_norm_attr="operator_norm",
+                                          k_norm_attr="k_layernorm", never_skip_layers=_lfm2_conv_layers,
+                                          mlp_output_attr="feed_forward.w2"))
