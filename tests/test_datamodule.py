@@ -131,6 +131,18 @@ def test_validation_of_shards_with_no_usable_sample_is_refused_not_empty(tmp_pat
     assert sum(b["num_samples"] for b in good.val_dataloader()) == len(usable)  # a pass with batches is untouched
 
 
+def test_fit_refuses_val_shards_without_a_usable_sample_before_its_first_step(tmp_path, capsys, monkeypatch):
+    # The first validation came after an epoch of training: a run over real data trained for nothing until then.
+    from vlm_retrofit.cli import main
+
+    write_tar(tmp_path / "val.tar", [(f"bad{i}", {"png": _img(), "txt": b"   "}) for i in range(3)])
+    monkeypatch.chdir(tmp_path)
+    assert main(["fit", "--data.val_shards", str(tmp_path / "val.tar"), "--trainer.default_root_dir",
+                 str(tmp_path / "run")]) == 1
+    assert "fit stopped: val_shards yielded no batch" in capsys.readouterr().err
+    assert not list((tmp_path / "run").rglob("*.ckpt"))  # no step trained, nothing saved
+
+
 def test_training_stream_delivers_every_skip_it_counts(tmp_path):
     """The training stream is cut by `with_epoch` after its last batch: no batch may be formed (and its skips
     taken) beyond it, or those skips never reach the main process."""

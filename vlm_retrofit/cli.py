@@ -64,7 +64,7 @@ TRAINER_DEFAULTS: dict[str, Any] = {
     "max_steps": 40,
     "log_every_n_steps": 1,
     "limit_val_batches": 4,
-    "num_sanity_val_steps": 0,
+    "num_sanity_val_steps": 1,  # one val batch before the first step: unusable val_shards are refused up front
     "default_root_dir": RUN_DIR,
 }
 
