@@ -1,4 +1,4 @@
-"""The per-layer cost model: sliding-window layers are counted over their window, as HF's masks apply it."""
+"""The per-layer cost model: sliding windows as HF's masks apply them, and each layer's own weights measured."""
 
 import pytest
 import torch
@@ -7,7 +7,8 @@ from transformers import DynamicCache, LlamaConfig, MistralConfig
 from vlm_retrofit import RouterConfig, attach_routers
 from vlm_retrofit.skipping import LayerCost, PatternPolicy
 from vlm_retrofit.skipping.accounting import sliding_window_of
-from vlm_retrofit.testing import tiny_inputs, tiny_vlm
+from vlm_retrofit.backbones import resolve
+from vlm_retrofit.testing import FAMILIES, tiny_inputs, tiny_vlm
 
 
 def _attended_pairs(past: int, new_tokens: int, window: int | None) -> int:
@@ -61,3 +62,25 @@ def test_skip_report_counts_sliding_layers_over_their_window():
     assert report.prefill.executed_flops == prefill[16] + 2 * prefill[None] + 40 * sliding.kv_projection
     assert report.decode.full_flops == 2 * decode[16] + 2 * decode[None]
     assert report.decode.executed_flops == decode[16] + 2 * decode[None] + sliding.kv_projection
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_layer_costs_are_measured_from_each_layers_weights(family):
+    # The config's sizes say what a dense layer costs, not a mixture of experts or a hybrid's convolution layer.
+    model, _ = tiny_vlm(family, num_hidden_layers=6)
+    spec = resolve(model)
+    text = spec.get_text_config(model)
+    measured = LayerCost.per_layer(text, 6, spec.get_layers(model), spec.attention_attr)
+    from_config = LayerCost.per_layer(text, 6)
+    d, mlp = 64, 3 * 2 * 64 * 128  # the tiny decoders: width 64, gated MLP 128
+    attention = 2 * d * 64 + 4 * d * 32 + 2 * 64 * d  # q, k + v (2 kv heads of 16), o
+    if family == "qwen3_vl_moe":  # router [4, 64]; 4 experts of width 32, 2 of them per token
+        assert {c.dense for c in measured} == {attention + 2 * 4 * d + 3 * 2 * d * 32 * 4 * 2 // 4}
+    elif family == "lfm2_vl":  # layer 1 convolves: in_proj 64 -> 3 x 64, out_proj, a depthwise kernel of 3
+        conv = measured[1]
+        assert not conv.attends and conv.attention(5, 40) == 0
+        assert conv.dense == 2 * d * 3 * d + 2 * d * d + 2 * d * text.conv_L_cache + mlp
+        assert [c.dense for i, c in enumerate(measured) if i != 1] == [attention + mlp] * 5
+    else:  # a dense layer: the measured cost is the config formula's
+        assert [c.dense for c in measured] == [c.dense for c in from_config] == [attention + mlp] * 6
+        assert all(c.attends for c in measured)

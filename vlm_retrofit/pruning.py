@@ -17,6 +17,7 @@ from .errors import InputError
 from .release import RELEASE_CONFIG, RELEASE_FORMAT, RELEASE_FORMAT_VERSION, Loaded, real_logits, save_full_weights
 from .replacement import check_replacements, fold_replacements
 from .routing import RouterAdapter, RouterConfig, attach_routers
+from .skipping.accounting import weight_flops
 from .skipping.calibrate import static_prefix, untrained_removal
 
 
@@ -178,11 +179,13 @@ def prune_for_release(loaded: Loaded, blocks: list[int], inputs: dict[str, Any])
             expected = real_logits(model, inputs)
         identity.detach()
     trained_for = None if adapter.removal_range is None else untrained_removal(adapter, blocks) is None
+    # Per token and context-free, from each layer's weights: a hybrid's or a mixture's layers differ in cost.
+    layer_flops = [weight_flops(layer, spec.get_text_config(model)) for layer in spec.get_layers(model)]
     removed = prune_layers(model, spec, layers)
     routed_log, plain_log = torch.log_softmax(routed, -1), torch.log_softmax(expected, -1)
     summary = {
         "removed_blocks": blocks, "removed_layers": removed, "num_layers_before": num_layers,
-        "layer_compute_removed": len(removed) / num_layers,
+        "layer_compute_removed": sum(layer_flops[i] for i in removed) / sum(layer_flops),
         # Whether training removed exactly these blocks (None: it removed none, e.g. routers alone at identity).
         "removal_trained": trained_for,
         # Layers (numbered as before pruning) whose down projection carries the folded linear replacement.

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import Any, Sequence
+
+from torch import nn
 
 
 @dataclass(frozen=True)
@@ -18,6 +20,11 @@ class LayerCost:
     mlp_matrices: int = 3  # gated MLP: gate, up, down
     sliding_window: int | None = None
     """Keys a query attends to at most (itself included), as HF's sliding-window mask; None: the whole context."""
+    dense_flops: int | None = None
+    """The layer's context-free FLOPs per token measured from its weights (`per_layer` given the layers), in place of
+    the config formula of `dense`: a mixture of experts or a convolution layer is not what the config's sizes say."""
+    attends: bool = True
+    """False for a layer without attention (a hybrid's convolution layer): no cost that grows with the context."""
 
     @classmethod
     def from_config(cls, text_config: Any, layer: int | None = None) -> "LayerCost":
@@ -34,9 +41,17 @@ class LayerCost:
         )
 
     @classmethod
-    def per_layer(cls, text_config: Any, num_layers: int) -> "list[LayerCost]":
-        """One cost per decoder layer: sliding-window layers attend over at most their window."""
-        return [cls.from_config(text_config, layer) for layer in range(num_layers)]
+    def per_layer(cls, text_config: Any, num_layers: int, layers: Sequence[nn.Module] | None = None,
+                  attention_attr: str = "self_attn") -> "list[LayerCost]":
+        """One cost per decoder layer: sliding-window layers attend over at most their window. Given the `layers`,
+        each one's context-free cost is measured from its weights (`weight_flops`), and a layer without the
+        attention module `attention_attr` has no attention cost."""
+        costs = [cls.from_config(text_config, layer) for layer in range(num_layers)]
+        if layers is None:
+            return costs
+        return [replace(cost, dense_flops=weight_flops(layer, text_config),
+                        attends=getattr(layer, attention_attr, None) is not None)
+                for cost, layer in zip(costs, layers)]
 
     @property
     def kv_projection(self) -> int:
@@ -46,11 +61,15 @@ class LayerCost:
     @property
     def dense(self) -> int:
         """Everything in a layer that does not depend on the context: q/k/v/o projections and the MLP."""
+        if self.dense_flops is not None:
+            return self.dense_flops
         d, q = self.hidden_size, self.num_heads * self.head_dim
         return 2 * d * q + self.kv_projection + 2 * q * d + self.mlp_matrices * 2 * d * self.intermediate_size
 
     def attention(self, new_tokens: int, kv_length: int) -> int:
         """Scores and weighted values for `new_tokens` causal queries ending at a context of `kv_length`."""
+        if not self.attends:
+            return 0
         past = kv_length - new_tokens
         attended = new_tokens * past + new_tokens * (new_tokens + 1) // 2  # query at 0-based position p: p + 1 keys
         window = self.sliding_window
@@ -66,6 +85,37 @@ class LayerCost:
 
     def kv_only(self, batch: int, new_tokens: int) -> int:
         return batch * new_tokens * self.kv_projection
+
+
+def _experts_used(text_config: Any) -> tuple[int, int] | None:
+    """(experts each token uses, experts) of a mixture-of-experts config; None for a dense one."""
+    used = getattr(text_config, "num_experts_per_tok", None)
+    total = next((getattr(text_config, name) for name in ("num_experts", "num_local_experts", "n_routed_experts")
+                  if getattr(text_config, name, None)), None)
+    return (int(used), int(total)) if used and total else None
+
+
+def weight_flops(layer: nn.Module, text_config: Any) -> int:
+    """FLOPs per token of one decoder layer's weights (a multiply-add counts as 2), measured from the layer.
+
+    A linear layer costs in x out (its declared sizes: quantised weights store fewer elements); any other weight of
+    two or more dimensions (a convolution's kernel, a mixture's stacked expert matrices) one multiply-add per
+    element. Weights under an `experts` module are read by `num_experts_per_tok` of its `num_experts` per token.
+    Norms and biases are left out, as in the config formula (`LayerCost.dense`), which this equals on a dense layer.
+    """
+    experts = _experts_used(text_config)
+    total = 0.0
+    for name, module in layer.named_modules():
+        if hasattr(module, "base_layer"):  # an adapter's wrapper (PEFT): its base layer and adapters count apart
+            continue
+        share = experts[0] / experts[1] if experts and "experts" in name.split(".") else 1.0
+        if isinstance(getattr(module, "in_features", None), int) and isinstance(getattr(module, "out_features", None), int):
+            total += 2 * module.in_features * module.out_features * share
+            continue
+        for param in module.parameters(recurse=False):
+            if param.dim() >= 2:
+                total += 2 * param.numel() * share
+    return int(total)
 
 
 def sliding_window_of(text_config: Any, layer: int) -> int | None:

@@ -103,7 +103,8 @@ class SkipController:
             policy.validate(self.layout, adapter)
         self.report = SkipReport(num_blocks=self.layout.num_blocks, policy=getattr(policy, "name", ""),
                                  block_layers=[len(self.layout.layers_of_block(b)) for b in range(self.layout.num_blocks)])
-        self.costs = LayerCost.per_layer(adapter.spec.get_text_config(adapter.model), self.layout.num_layers)
+        self.costs = LayerCost.per_layer(adapter.spec.get_text_config(adapter.model), self.layout.num_layers,
+                                         adapter.spec.get_layers(adapter.model), adapter.spec.attention_attr)
         """One cost per decoder layer (sliding-window layers attend over their window only)."""
         windows = [cost.sliding_window for cost in self.costs]
         self._mask_window = None if None in windows else min(windows)
