@@ -497,3 +497,32 @@ def test_calibrate_on_shards_without_a_usable_sample_names_them_in_one_line(trai
     assert main(["calibrate", "--model", str(adapter_dir), "--shards", str(tmp_path / "bad.tar"),
                  "--output", str(tmp_path / "calibrated")]) == 1
     assert f"calibrate refused: --shards {tmp_path / 'bad.tar'}: val_shards yielded no batch" in capsys.readouterr().err
+
+
+def test_a_lora_on_a_mixtures_stacked_experts_merges_and_prunes(tmp_path):
+    # PEFT's `target_parameters` adapts a parameter, not a module (Qwen3-VL-MoE keeps its experts' projections
+    # stacked in one): the merged weights' names were those of a module's `.weight`, and merging failed with KeyError.
+    from vlm_retrofit.training import RetrofitModule
+
+    lora = {"r": 2, "lora_alpha": 4, "target_modules": ["q_proj"],
+            "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}  # two: nested wrappers
+    module = RetrofitModule(backbone="tiny:qwen3_vl_moe", lora=lora, train_routers=False, max_removed_blocks=1,
+                            removal_order=[2], max_drop_rate=0.0, use_gates=False)
+    with torch.no_grad():
+        for name, param in module.model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.05)  # a LoRA that acts
+    module.save_adapter(tmp_path / "adapter")
+    merge(tmp_path / "adapter", tmp_path / "lora")
+    merge(tmp_path / "adapter", tmp_path / "merged", merge_lora=True)  # verified against the unmerged model
+    assert json.loads((tmp_path / "merged" / "release_config.json").read_text())["lora"] == "merged"
+    merge(tmp_path / "adapter", tmp_path / "pruned", prune_target=0.25)
+    unmerged, processor = load_release(tmp_path / "lora")
+    merged, _ = load_release(tmp_path / "merged")
+    inputs = tiny_inputs(processor)
+    torch.testing.assert_close(_logits(merged, inputs), _logits(unmerged, inputs), atol=1e-4, rtol=0)
+    from safetensors.torch import load_file
+
+    written = load_file(str(tmp_path / "merged" / "merged_lora.safetensors"))
+    assert {"model.language_model.layers.0.mlp.experts.gate_up_proj",
+            "model.language_model.layers.0.mlp.experts.down_proj"} <= set(written)

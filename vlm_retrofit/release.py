@@ -324,7 +324,14 @@ def _lora_base_weight_keys(peft_model: nn.Module) -> list[str]:
     keys = []
     for name, module in peft_model.named_modules():
         base = name.removeprefix(prefix)
-        if isinstance(module, LoraLayer):
+        parameter = getattr(module, "parameter_name", None)
+        if isinstance(module, LoraLayer) and parameter is not None:
+            # `target_parameters`: a parameter of the module (a mixture's stacked experts); PEFT nests one wrapper per
+            # parameter of the same module, each under the next one's `base_layer`.
+            while base.endswith(".base_layer"):
+                base = base.removesuffix(".base_layer")
+            keys.append(f"{base}.{parameter}")
+        elif isinstance(module, LoraLayer):
             keys.append(f"{base}.weight")
             if getattr(module.get_base_layer(), "bias", None) is not None:
                 keys.append(f"{base}.bias")
