@@ -202,11 +202,12 @@ class BackboneSpec:
             rotary_fn = self.rotary_fn
         partial = _partial_rotary_factor(getattr(attention, "config", None))
         if rotary_fn is None and partial < 1:
-            # The modeling module's apply_rotary_pos_emb rotates whole heads; its attention splits them first.
+            # Where the modeling module's apply_rotary_pos_emb rotates whole heads, its attention splits them first
+            # (StableLM); some rotate the part themselves (GLM-4.1V): which is which shows only by reading them.
             raise KVPathError(f"{type(attention).__name__} rotates a part of each key (partial_rotary_factor {partial}), "
-                              "and a skipped layer writes its K/V through its module's apply_rotary_pos_emb, which "
-                              "rotates whole keys: register the family with BackboneSpec(rotary_fn=...) that rotates "
-                              "that part only")
+                              "and a skipped layer writes its K/V through the spec's rotary_fn: register the family "
+                              "with BackboneSpec(rotary_fn=...) that rotates that part only (the modeling module's "
+                              "apply_rotary_pos_emb where it does so itself, as GLM-4.1V's)")
         if rotary_fn is None:
             rotary_fn = getattr(sys.modules[type(attention).__module__], "apply_rotary_pos_emb", None)
             if rotary_fn is None:
