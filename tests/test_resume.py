@@ -115,6 +115,19 @@ def test_resume_continues_exactly(tmp_path, count_steps):
         torch.testing.assert_close(resumed[key], straight[key], atol=1e-5, rtol=0)
 
 
+def test_a_run_resumed_mid_epoch_on_fixed_batches_continues_the_epoch(tmp_path, count_steps):
+    # The fixed batches' plain loader started the epoch again at batch 0: steps 2 and 3 trained on batches 0 and 1.
+    assert _fit(tmp_path / "straight") == 0
+    assert _fit(tmp_path / "mid", steps=N // 2) == 0
+    count_steps.clear()
+    assert _fit(tmp_path / "mid", "--ckpt_path", "last") == 0
+    assert count_steps == list(range(N // 2, 2 * N))
+    straight = _routers(tmp_path / "straight" / "checkpoints" / "last.ckpt")
+    resumed = _routers(tmp_path / "mid" / "checkpoints" / "last.ckpt")
+    for key in straight:
+        torch.testing.assert_close(resumed[key], straight[key], atol=1e-5, rtol=0)
+
+
 def test_the_micro_batches_of_one_step_draw_their_own_masks(tmp_path, monkeypatch):
     """Under gradient accumulation every training batch gets its own removal and skip-mask seed."""
     seeds = []

@@ -1,8 +1,8 @@
 """FixedBatchDataModule: a small deterministic in-memory dataset (the same batches every epoch).
 
-For tests, debugging and overfitting checks: batch k of every epoch is identical, so a run resumed at an
-epoch boundary sees exactly the data an uninterrupted run sees. Real training streams WebDataset shards
-(`vlm_retrofit.datamodules.WebDatasetDataModule`).
+For tests, debugging and overfitting checks: batch k of every epoch is identical, and a resumed run continues
+the epoch where its checkpoint stopped, so it sees exactly the data an uninterrupted run sees. Real training
+streams WebDataset shards (`vlm_retrofit.datamodules.WebDatasetDataModule`).
 """
 
 from __future__ import annotations
@@ -98,7 +98,17 @@ class FixedBatchDataModule(pl.LightningDataModule):
         return DataLoader(_Batches(batches), batch_size=None, shuffle=False, num_workers=0)
 
     def train_dataloader(self) -> DataLoader:
-        return self._loader(self.train_batches)
+        from ..datamodules.stream import EpochLoader
+
+        # Resumable: Lightning saves the batches this epoch trained on with a checkpoint, and the resumed pass
+        # drops them (a plain loader would start the epoch again at batch 0).
+        return EpochLoader(_Batches(self.train_batches), batch_size=None, shuffle=False, num_workers=0,
+                           consumed=self._batches_trained_this_epoch, batches_per_epoch=len(self.train_batches),
+                           samples_per_batch=self.hparams.batch_size)
+
+    def _batches_trained_this_epoch(self) -> int:
+        trainer = self.trainer  # at a checkpoint (saved on a training batch's end) `processed` counts that batch
+        return trainer.fit_loop.epoch_loop.batch_progress.current.processed if trainer is not None else 0
 
     def val_dataloader(self) -> DataLoader | list:
         return self._loader(self.val_batches) if self.val_batches else []
