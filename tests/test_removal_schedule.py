@@ -391,3 +391,26 @@ def test_hidden_state_term_compares_the_kept_layers_above_the_first_removed_one(
     with pytest.raises(ValueError, match="train_routers: false"):
         RetrofitModule(backbone="tiny:llama", backbone_kwargs=LAYERS, removal_order=[3, 2], max_removed_blocks=2,
                        hidden_weight=1.0)
+
+
+@pytest.mark.parametrize("config, setting", [("tiny-removal.yaml", "removal_order"),
+                                             ("tiny.yaml", "skip_candidates")])
+def test_rankings_on_the_first_batch_are_made_on_a_training_batch_not_the_check_before_it(tmp_path, monkeypatch,
+                                                                                          config, setting):
+    # fit validates one batch before its first step; the rankings made on "the first batch seen" took that one,
+    # chosen on validation data (and the val split is not the training mix).
+    from conftest import fit_config
+
+    made_while = []
+    original = RetrofitModule._ensure_removal_order if setting == "removal_order" else RetrofitModule._ensure_skip_candidates
+
+    def recorded(self, batch):
+        before = getattr(self.adapter, setting)
+        original(self, batch)
+        if before is None and getattr(self.adapter, setting) is not None:
+            made_while.append("sanity check" if self.trainer.sanity_checking else "training")
+
+    monkeypatch.setattr(RetrofitModule, original.__name__, recorded)
+    extra = () if setting == "removal_order" else ("--model.skip_candidates", "1")
+    fit_config(tmp_path, config, "--trainer.max_steps", "1", "--trainer.limit_val_batches", "1", *extra)
+    assert made_while == ["training"]

@@ -775,17 +775,28 @@ class RetrofitModule(pl.LightningModule):
                 self.trainer.should_stop = True
         return None
 
-    def _eval_step(self, prefix: str, batch: Mapping[str, Any], batch_idx: int, dataloader_idx: int = 0) -> Tensor:
+    def _ranks_on_first_batch(self) -> bool:
+        """Whether a block ranking made on the first batch seen (`removal_order` impact / joint / span, a
+        `skip_candidates` count) is still to be made."""
+        return ((self.adapter.removal_order is None and self.hparams.removal_order in ("impact", "joint", "span"))
+                or (self.adapter.skip_candidates is None and isinstance(self.hparams.skip_candidates, int)))
+
+    def _eval_step(self, prefix: str, batch: Mapping[str, Any], batch_idx: int,
+                   dataloader_idx: int = 0) -> Tensor | None:
+        if self._trainer is not None and self.trainer.sanity_checking and self._ranks_on_first_batch():
+            # The batch before fit's first step only shows that the val shards yield one (its loader refuses them
+            # otherwise); the rankings are made on the first training batch, not on validation data.
+            return None
         # Evaluation always at the full drop rate, with masks fixed per batch: comparable across the run.
         out = self.compute_loss(batch, drop_rate=self.hparams.max_drop_rate,
                                 seed=self._step_seed(batch_idx, 1 + dataloader_idx), largest_removal=True)
         self._log_step(prefix, out, on_step=False)
         return out.loss
 
-    def validation_step(self, batch: Mapping[str, Any], batch_idx: int, dataloader_idx: int = 0) -> Tensor:
+    def validation_step(self, batch: Mapping[str, Any], batch_idx: int, dataloader_idx: int = 0) -> Tensor | None:
         return self._eval_step("val", batch, batch_idx, dataloader_idx)
 
-    def test_step(self, batch: Mapping[str, Any], batch_idx: int, dataloader_idx: int = 0) -> Tensor:
+    def test_step(self, batch: Mapping[str, Any], batch_idx: int, dataloader_idx: int = 0) -> Tensor | None:
         return self._eval_step("test", batch, batch_idx, dataloader_idx)
 
     def predict_step(self, batch: Mapping[str, Any], batch_idx: int, dataloader_idx: int = 0) -> dict[str, Any]:
