@@ -166,6 +166,17 @@ def ignore_ctrl_c(worker_id: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
+def batches_trained_this_epoch(trainer: Any, batches_per_epoch: int) -> int:
+    """The training batches of this epoch that `trainer` has run, as an `EpochLoader`'s `consumed` counts them: at a
+    checkpoint (saved on a training batch's end) that batch included, and `batches_per_epoch` once the epoch is done
+    by Lightning's count (which `limit_train_batches` and the number of processes set), so that a run resumed there
+    starts the next epoch rather than dropping its first batches."""
+    if trainer is None:
+        return 0
+    processed = trainer.fit_loop.epoch_loop.batch_progress.current.processed
+    return batches_per_epoch if processed >= trainer.num_training_batches else processed
+
+
 class EpochLoader(DataLoader):
     """DataLoader that bumps the dataset's `EpochState` on every new pass (new shuffles per epoch, reproducibly).
 

@@ -27,6 +27,7 @@ from .stream import (
     ShardError,
     Stages,
     batches_per_worker,
+    batches_trained_this_epoch,
     ignore_ctrl_c,
     train_pipeline,
     val_pipeline,
@@ -316,9 +317,7 @@ class WebDatasetDataModule(pl.LightningDataModule):
                            worker_init_fn=ignore_ctrl_c if self.num_workers > 0 else None, **resumable)
 
     def _batches_trained_this_epoch(self) -> int:
-        # At a checkpoint (saved on a training batch's end) `processed` counts that batch too.
-        trainer = self.trainer
-        return trainer.fit_loop.epoch_loop.batch_progress.current.processed if trainer is not None else 0
+        return batches_trained_this_epoch(self.trainer, self.train_batches_per_worker * max(1, self.num_workers))
 
     @property
     def train_batches_per_worker(self) -> int:

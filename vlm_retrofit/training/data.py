@@ -107,8 +107,9 @@ class FixedBatchDataModule(pl.LightningDataModule):
                            samples_per_batch=self.hparams.batch_size)
 
     def _batches_trained_this_epoch(self) -> int:
-        trainer = self.trainer  # at a checkpoint (saved on a training batch's end) `processed` counts that batch
-        return trainer.fit_loop.epoch_loop.batch_progress.current.processed if trainer is not None else 0
+        from ..datamodules.stream import batches_trained_this_epoch
+
+        return batches_trained_this_epoch(self.trainer, len(self.train_batches))
 
     def val_dataloader(self) -> DataLoader | list:
         return self._loader(self.val_batches) if self.val_batches else []
