@@ -135,6 +135,10 @@ def write_report(results: dict[str, Any], out_dir: Path) -> None:
                                  _fmt(r.get("rouge_l_ratio")), _speed(r, "b1"), _speed(r, "b8"), ""]).strip())
     lines += ["", results.get("notes", "")]
     report = out_dir / "RESULTS.md"
-    # Measurements recorded between runs are not in results.json: a new run's report must not drop them.
-    kept = report.read_text().partition(KEPT_MARKER)[2] if report.is_file() else ""
+    # Measurements recorded between runs are not in results.json: a new run's report must not drop them. A report
+    # without the marker (written before it existed) is kept whole beside the new one.
+    previous = report.read_text() if report.is_file() else ""
+    if previous and KEPT_MARKER not in previous:
+        report.replace(out_dir / "RESULTS.before.md")
+    kept = previous.partition(KEPT_MARKER)[2]
     report.write_text("\n".join(lines).rstrip() + "\n\n" + KEPT_MARKER + (kept or "\n"))

@@ -230,6 +230,9 @@ def test_report_writes_json_markdown_and_plot(tmp_path):
     again = (out / "RESULTS.md").read_text()
     assert again.endswith(KEPT_MARKER + by_hand) and again.count(KEPT_MARKER) == 1
     assert "Run 2026-02-02" in again and "The next run." in again
+    (out / "RESULTS.md").write_text("# An older report, without the marker\n")
+    write_report(results, out)
+    assert (out / "RESULTS.before.md").read_text() == "# An older report, without the marker\n"  # kept whole
 
 
 def test_the_recorded_analysis_is_the_one_results_json_holds():

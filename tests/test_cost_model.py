@@ -84,3 +84,17 @@ def test_layer_costs_are_measured_from_each_layers_weights(family):
     else:  # a dense layer: the measured cost is the config formula's
         assert [c.dense for c in measured] == [c.dense for c in from_config] == [attention + mlp] * 6
         assert all(c.attends for c in measured)
+
+
+def test_a_peft_wrapped_layer_costs_what_its_backbone_layer_does():
+    # The LoRA wrappers, their matrices and a `modules_to_save` wrapper with its trained copy were counted as well
+    # (down_proj three times).
+    from peft import LoraConfig, get_peft_model
+
+    from vlm_retrofit.skipping.accounting import weight_flops
+
+    model, _ = tiny_vlm("llama")
+    text = model.config
+    plain = [weight_flops(layer, text) for layer in resolve(model).get_layers(model)]
+    wrapped = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], modules_to_save=["down_proj"]))
+    assert [weight_flops(layer, text) for layer in resolve(wrapped).get_layers(wrapped)] == plain

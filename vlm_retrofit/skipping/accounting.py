@@ -51,7 +51,7 @@ class LayerCost:
             return costs
         return [replace(cost, dense_flops=weight_flops(layer, text_config),
                         attends=getattr(layer, attention_attr, None) is not None)
-                for cost, layer in zip(costs, layers)]
+                for cost, layer in zip(costs, layers, strict=True)]
 
     @property
     def kv_projection(self) -> int:
@@ -106,14 +106,22 @@ def weight_flops(layer: nn.Module, text_config: Any) -> int:
     experts = _experts_used(text_config)
     total = 0.0
     for name, module in layer.named_modules():
-        if hasattr(module, "base_layer"):  # an adapter's wrapper (PEFT): its base layer and adapters count apart
+        parts = name.split(".")
+        # PEFT's machinery is not the backbone's: an adapter's wrapper (its base layer counts), its LoRA matrices, and
+        # a `modules_to_save` wrapper with its trained copies (the original module counts, of the same shape).
+        if (hasattr(module, "base_layer") or hasattr(module, "original_module") or "modules_to_save" in parts
+                or any(part.startswith("lora_") for part in parts)):
             continue
-        share = experts[0] / experts[1] if experts and "experts" in name.split(".") else 1.0
-        if isinstance(getattr(module, "in_features", None), int) and isinstance(getattr(module, "out_features", None), int):
-            total += 2 * module.in_features * module.out_features * share
+        share = experts[0] / experts[1] if experts and "experts" in parts else 1.0
+        sizes = [getattr(module, attr, None) for attr in ("in_features", "out_features", "infeatures", "outfeatures")]
+        if isinstance(sizes[0], int) and isinstance(sizes[1], int):  # a linear layer, quantised or not
+            total += 2 * sizes[0] * sizes[1] * share
             continue
-        for param in module.parameters(recurse=False):
-            if param.dim() >= 2:
+        if isinstance(sizes[2], int) and isinstance(sizes[3], int):  # GPTQ's quantised linear layers name them so
+            total += 2 * sizes[2] * sizes[3] * share
+            continue
+        for param_name, param in module.named_parameters(recurse=False):
+            if param.dim() >= 2 and not param_name.endswith("bias"):  # a mixture's stacked expert biases are 2-D
                 total += 2 * param.numel() * share
     return int(total)
 
