@@ -115,32 +115,28 @@ def test_resume_continues_exactly(tmp_path, count_steps):
         torch.testing.assert_close(resumed[key], straight[key], atol=1e-5, rtol=0)
 
 
-def test_a_run_resumed_mid_epoch_on_fixed_batches_continues_the_epoch(tmp_path, count_steps):
-    # The fixed batches' plain loader started the epoch again at batch 0: steps 2 and 3 trained on batches 0 and 1.
-    assert _fit(tmp_path / "straight") == 0
-    assert _fit(tmp_path / "mid", steps=N // 2) == 0
+def _stopped_at_half_an_epoch_resumes_like_straight(tmp_path, count_steps, *options):
+    """Straight 2N steps, and a run stopped after N / 2 then resumed, with `options` alike: the same routers."""
+    assert _fit(tmp_path / "straight", *options) == 0
+    assert _fit(tmp_path / "stopped", *options, steps=N // 2) == 0
     count_steps.clear()
-    assert _fit(tmp_path / "mid", "--ckpt_path", "last") == 0
+    assert _fit(tmp_path / "stopped", *options, "--ckpt_path", "last") == 0
     assert count_steps == list(range(N // 2, 2 * N))
     straight = _routers(tmp_path / "straight" / "checkpoints" / "last.ckpt")
-    resumed = _routers(tmp_path / "mid" / "checkpoints" / "last.ckpt")
+    resumed = _routers(tmp_path / "stopped" / "checkpoints" / "last.ckpt")
     for key in straight:
         torch.testing.assert_close(resumed[key], straight[key], atol=1e-5, rtol=0)
+
+
+def test_a_run_resumed_mid_epoch_on_fixed_batches_continues_the_epoch(tmp_path, count_steps):
+    # The fixed batches' plain loader started the epoch again at batch 0: steps 2 and 3 trained on batches 0 and 1.
+    _stopped_at_half_an_epoch_resumes_like_straight(tmp_path, count_steps)
 
 
 def test_a_run_resumed_at_the_end_of_a_limited_epoch_starts_the_next_one_whole(tmp_path, count_steps):
     # With limit_train_batches an epoch ends before the loader's last batch: the resumed run took its batches so far
     # for a position inside the epoch and dropped the next epoch's first ones.
-    limit = ("--trainer.limit_train_batches", str(N // 2))
-    assert _fit(tmp_path / "straight", *limit) == 0
-    assert _fit(tmp_path / "ended", *limit, steps=N // 2) == 0
-    count_steps.clear()
-    assert _fit(tmp_path / "ended", *limit, "--ckpt_path", "last") == 0
-    assert count_steps == list(range(N // 2, 2 * N))
-    straight = _routers(tmp_path / "straight" / "checkpoints" / "last.ckpt")
-    resumed = _routers(tmp_path / "ended" / "checkpoints" / "last.ckpt")
-    for key in straight:
-        torch.testing.assert_close(resumed[key], straight[key], atol=1e-5, rtol=0)
+    _stopped_at_half_an_epoch_resumes_like_straight(tmp_path, count_steps, "--trainer.limit_train_batches", str(N // 2))
 
 
 def test_the_micro_batches_of_one_step_draw_their_own_masks(tmp_path, monkeypatch):
