@@ -82,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from vlm_retrofit import RouterAdapter, RouterConfig, attach_routers
+    from vlm_retrofit.batch import on_device
     from vlm_retrofit.callbacks import generation_pad_id
     from vlm_retrofit.skipping import static_prefix
 
@@ -108,8 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     threshold = None
     for batch in (1, 8):
-        inputs = {k: v.to(args.device) if isinstance(v, torch.Tensor) else v
-                  for k, v in prompt_inputs(processor, images[:batch]).items()}
+        inputs = on_device(prompt_inputs(processor, images[:batch]), args.device)
         with torch.no_grad():
             if gates and threshold is None:
                 threshold = gate_threshold_for(model, adapter, inputs, pad, args.gate_share, args.new_tokens)

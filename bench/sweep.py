@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 import torch
 
+from vlm_retrofit.batch import on_device
 from vlm_retrofit.text_metrics import rouge_l
 
 from .evaluate import (Method, decode_speed, greedy, nullmethod, paired_speed_ratios, perplexity, routing_share,
@@ -649,7 +650,7 @@ def build_eval_set(processor, manifest: dict[str, Any], args) -> EvalSet:
         text_chunks = _chunks(tokenizer, val_text, args.chunk_tokens, len(val_chunks) + args.text_chunks)[len(val_chunks):]
 
     def to(inputs: dict[str, Any]) -> dict[str, Any]:
-        return {k: v.to(args.device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+        return on_device(inputs, args.device)
 
     caption_batches = len(calibration[0])
     calibration = [to(b) for batches in calibration for b in batches]

@@ -180,7 +180,8 @@ def prune_for_release(loaded: Loaded, blocks: list[int], inputs: dict[str, Any])
         identity.detach()
     trained_for = None if adapter.removal_range is None else untrained_removal(adapter, blocks) is None
     # Per token and context-free, from each layer's weights: a hybrid's or a mixture's layers differ in cost.
-    layer_flops = [weight_flops(layer, spec.get_text_config(model)) for layer in spec.get_layers(model)]
+    text_config = spec.get_text_config(model)
+    layer_flops = [weight_flops(layer, text_config) for layer in spec.get_layers(model)]
     removed = prune_layers(model, spec, layers)
     routed_log, plain_log = torch.log_softmax(routed, -1), torch.log_softmax(expected, -1)
     summary = {

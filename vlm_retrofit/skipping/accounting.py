@@ -113,12 +113,11 @@ def weight_flops(layer: nn.Module, text_config: Any) -> int:
                 or any(part.startswith("lora_") for part in parts)):
             continue
         share = experts[0] / experts[1] if experts and "experts" in parts else 1.0
-        sizes = [getattr(module, attr, None) for attr in ("in_features", "out_features", "infeatures", "outfeatures")]
-        if isinstance(sizes[0], int) and isinstance(sizes[1], int):  # a linear layer, quantised or not
-            total += 2 * sizes[0] * sizes[1] * share
-            continue
-        if isinstance(sizes[2], int) and isinstance(sizes[3], int):  # GPTQ's quantised linear layers name them so
-            total += 2 * sizes[2] * sizes[3] * share
+        # A linear layer, quantised or not (GPTQ's name their sizes infeatures / outfeatures).
+        rows = getattr(module, "in_features", getattr(module, "infeatures", None))
+        cols = getattr(module, "out_features", getattr(module, "outfeatures", None))
+        if isinstance(rows, int) and isinstance(cols, int):
+            total += 2 * rows * cols * share
             continue
         for param_name, param in module.named_parameters(recurse=False):
             if param.dim() >= 2 and not param_name.endswith("bias"):  # a mixture's stacked expert biases are 2-D
