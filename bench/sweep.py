@@ -183,8 +183,9 @@ def realised_skipped_fraction(reports: list, counted: str = "skipped_layer_fract
 
 
 def with_replacement(method: Method, model, spec, replacement, layers: list[int]) -> tuple[Method, bool]:
-    """`method` with a linear replacement (transforms, fitted layers) folded into the weights while it runs,
-    when `layers` are exactly the removed layers it was fitted for; else `method` unchanged. (method, applied)"""
+    """`method` with a replacement (linear maps or layer replacements, and the layers they were fitted for) folded
+    into the weights while it runs, when `layers` are exactly the removed layers it was fitted for; else `method`
+    unchanged. (method, applied)"""
     if replacement is None or sorted(layers) != sorted(replacement[1]):
         return method, False
     from vlm_retrofit.replacement import replacements_folded

@@ -284,6 +284,29 @@ def test_budget_decay_runs_the_schedule_over_the_wall_clock():
         BudgetDecay(0)
 
 
+def test_budget_decay_spends_the_fits_preparation_from_the_budget_and_ends_the_run():
+    from types import SimpleNamespace
+
+    from bench.run import BudgetDecay
+
+    now = [0.0]
+    decay = BudgetDecay(100.0, clock=lambda: now[0])
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    trainer = SimpleNamespace(lr_scheduler_configs=[SimpleNamespace(scheduler=scheduler)], should_stop=False)
+    module = SimpleNamespace(hparams=SimpleNamespace(scheduler="cosine", warmup_steps=0, min_lr_ratio=0.1))
+    decay.on_fit_start(trainer, module)
+    now[0] = 30.0  # e.g. a layer replacement fitted before the first step
+    decay.on_train_start(trainer, module)
+    now[0] = 50.0
+    assert scheduler.lr_lambdas[0](0) == pytest.approx(0.55)  # half the budget since the fit started
+    decay.on_train_batch_end(trainer)
+    assert not trainer.should_stop
+    now[0] = 100.0
+    decay.on_train_batch_end(trainer)
+    assert trainer.should_stop
+
+
 def test_budget_decay_ends_a_training_run_at_the_floor():
     import lightning.pytorch as pl
 

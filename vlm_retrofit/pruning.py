@@ -6,7 +6,7 @@ import contextlib
 import json
 import weakref
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -15,7 +15,7 @@ from .backbones.loading import half_precision, weights_in_fp32
 from .backbones.registry import BackboneSpec, unwrap_model
 from .errors import InputError
 from .release import RELEASE_CONFIG, RELEASE_FORMAT, RELEASE_FORMAT_VERSION, Loaded, real_logits, save_full_weights
-from .replacement import check_replacements, fold_replacements
+from .replacement import check_replacements, fold_replacements, replacement_kind
 from .routing import RouterAdapter, RouterConfig, attach_routers
 from .skipping.accounting import weight_flops
 from .skipping.calibrate import static_prefix, untrained_removal
@@ -85,25 +85,32 @@ def prune_layers(model: nn.Module, spec: BackboneSpec, layers: Iterable[int]) ->
 
 
 @contextlib.contextmanager
-def layers_removed(model: nn.Module, spec: BackboneSpec, layers: Iterable[int]) -> Iterator[None]:
+def layers_removed(model: nn.Module, spec: BackboneSpec, layers: Iterable[int],
+                   substitutes: Mapping[int, nn.Module] | None = None) -> Iterator[None]:
     """Within the context the decoder runs without `layers` exactly as the pruned model (`prune_layers`) does:
     the kept layers renumbered, the config's per-layer lists shrunk (Gemma 3 picks each layer's mask and rotary
     embedding by its position in them); all restored on exit. For measuring and training, not for saving.
+    `substitutes` {i: module} runs module in place of kept layer i (a layer replacement's weights,
+    `vlm_retrofit.layer_replacement`), numbered as that layer.
     """
     decoder = spec.get_decoder(model)
     full = getattr(decoder, spec.layers_attr)
     removed = {int(i) for i in layers}
-    if not removed:
+    substitutes = {int(i): module for i, module in (substitutes or {}).items()}
+    if not removed and not substitutes:
         yield
         return
-    if min(removed) < 0 or max(removed) >= len(full):
+    if removed and (min(removed) < 0 or max(removed) >= len(full)):
         raise InputError(f"layers {sorted(removed)} are out of range: the decoder has {len(full)} layers")
+    if set(substitutes) & removed or any(not 0 <= i < len(full) for i in substitutes):
+        raise InputError(f"layers {sorted(substitutes)} to run substitutes for must be kept layers of the decoder")
     text_config = spec.get_text_config(model)
     settings = {name: getattr(text_config, name) for name in [*_per_layer_settings(text_config, len(full)),
                                                               "num_hidden_layers"]}
-    numbering = [(module, module.layer_idx) for layer in full for module in _indexed_modules(layer)]
+    numbering = [(module, module.layer_idx) for layer in [*full, *substitutes.values()]
+                 for module in _indexed_modules(layer)]
     try:
-        _delete_layers(model, spec, full, removed)
+        _delete_layers(model, spec, nn.ModuleList(substitutes.get(i, layer) for i, layer in enumerate(full)), removed)
         yield
     finally:
         setattr(decoder, spec.layers_attr, full)
@@ -162,7 +169,8 @@ def prune_for_release(loaded: Loaded, blocks: list[int], inputs: dict[str, Any])
     if loaded.replacement is not None:  # refused before any work when fitted for other layers
         transforms, fitted_for = loaded.replacement
         hidden_size = int(adapter.spec.get_text_config(model).hidden_size)
-        check_replacements(transforms, layers, fitted_for, hidden_size=hidden_size, source="the adapter")
+        check_replacements(transforms, layers, fitted_for, hidden_size=hidden_size, source="the adapter",
+                           layers=adapter.spec.get_layers(model))
     if loaded.lora:
         model = adapter.merge_lora()
     if loaded.replacement is not None:  # acts on the merged projection, as it did in training
@@ -189,8 +197,10 @@ def prune_for_release(loaded: Loaded, blocks: list[int], inputs: dict[str, Any])
         "layer_compute_removed": sum(layer_flops[i] for i in removed) / sum(layer_flops),
         # Whether training removed exactly these blocks (None: it removed none, e.g. routers alone at identity).
         "removal_trained": trained_for,
-        # Layers (numbered as before pruning) whose down projection carries the folded linear replacement.
+        # Layers (numbered as before pruning) carrying the folded replacement: a linear one in their down projection,
+        # a layer replacement as their weights.
         "replacement_folded_into": sorted(loaded.replacement[0]) if loaded.replacement is not None else None,
+        "replacement_kind": None if loaded.replacement is None else replacement_kind(loaded.replacement[0]),
         "routers_dropped": {  # on the merge's sample inputs
             "kl_routed_to_pruned": float((routed_log.exp() * (routed_log - plain_log)).sum(-1).mean()),
             "top1_agreement": float((routed.argmax(-1) == expected.argmax(-1)).float().mean()),
@@ -230,7 +240,10 @@ def _pruned_model_card(config: dict[str, Any]) -> str:
            else ", with the adapter's LoRA merged in." if config["lora"] else "."),
         *(["The adapter was trained for another removal than this one (merged with --allow-untrained-removal): its "
            "healing did not see this model."] if pruned.get("removal_trained") is False else []),
-        *([f"A linear replacement of the removed spans is folded into the MLP output projections of layers "
+        *([f"Layers {pruned['replacement_folded_into']} (numbered as before pruning) were retrained to write what "
+           "the removed span after each wrote as well (a layer replacement): their weights are new."]
+          if pruned.get("replacement_folded_into") and pruned.get("replacement_kind") == "layer" else
+          [f"A linear replacement of the removed spans is folded into the MLP output projections of layers "
            f"{pruned['replacement_folded_into']} (numbered as before pruning)."]
           if pruned.get("replacement_folded_into") else []),
         "The trained depth routers were dropped: this is a plain model of the base's class, loadable with",

@@ -49,7 +49,8 @@ class Loaded:
     lora: dict[str, Any] | None
     kind: str
     replacement: tuple[dict[int, torch.Tensor], list[int]] | None = None
-    """A linear replacement of removed layers (`vlm_retrofit.replacement`) and the layers it was fitted for."""
+    """A replacement of removed layers (linear maps, `vlm_retrofit.replacement`, or layer replacements,
+    `vlm_retrofit.layer_replacement`) and the layers it was fitted for."""
 
 
 def _load_kwargs(base_model: dict[str, Any], source: str, trust_remote_code: bool) -> dict[str, Any]:
@@ -510,7 +511,7 @@ def merge(source: str | os.PathLike, output: str | os.PathLike, *, base: str | N
     loaded = load_trained(source, base, trust_remote_code=trust_remote_code)
     pruning = prune_blocks is not None or prune_target is not None
     if loaded.replacement is not None and not pruning:
-        raise InputError(f"{source} carries a linear replacement of layers {loaded.replacement[1]}, which only a "
+        raise InputError(f"{source} carries a replacement of removed layers {loaded.replacement[1]}, which only a "
                          "pruned release can use: pass --prune-target (or --prune-blocks) for those layers")
     inputs = None
     if verify or pruning:  # the checks run chat prompts (and a release without a template could not answer one)

@@ -26,7 +26,8 @@ from .backbones.registry import BackboneSpec, unwrap_model
 from .errors import InputError
 
 __all__ = ["removed_spans", "output_projection", "fit_replacements", "replacements_applied", "fold_replacements",
-           "replacements_folded", "check_replacements", "save_replacements", "load_replacements"]
+           "replacements_folded", "check_replacements", "save_replacements", "load_replacements",
+           "is_layer_replacement", "replacement_kind"]
 
 
 def removed_spans(layers: Iterable[int]) -> list[list[int]]:
@@ -111,12 +112,45 @@ def replacements_applied(model: nn.Module, spec: BackboneSpec, transforms: Mappi
         yield
 
 
+def is_layer_replacement(replacement: Any) -> bool:
+    """Whether one replacement (a value of the transforms mapping) is a whole layer's weights
+    (`vlm_retrofit.layer_replacement`: its state dict) rather than a linear map."""
+    return isinstance(replacement, Mapping)
+
+
+def replacement_kind(transforms: Mapping[int, Any]) -> str:
+    """`layer` where the replacements are layer replacements, `linear` where they are linear maps (all are one or
+    the other)."""
+    kinds = {is_layer_replacement(v) for v in transforms.values()}
+    if len(kinds) > 1:
+        raise ValueError("one adapter's replacements are all linear maps or all layers, not both")
+    return "layer" if kinds == {True} else "linear"
+
+
+def _layer_tensor(layer: nn.Module, name: str) -> Tensor:
+    try:
+        return layer.get_parameter(name)
+    except AttributeError:
+        try:
+            return layer.get_buffer(name)
+        except AttributeError:
+            raise InputError(f"{type(layer).__name__} has no plain weight {name!r} for its layer replacement: merge "
+                             "LoRA into the weights (merge_and_unload) before folding, or refit it for this "
+                             "backbone") from None
+
+
 @torch.no_grad()
-def fold_replacements(model: nn.Module, spec: BackboneSpec, transforms: Mapping[int, Tensor]) -> None:
-    """Write the transforms into the output projections (`W <- T^T W`, `b <- b T`), in place. Merge any LoRA
-    first: the transforms act on the projection's whole output."""
+def fold_replacements(model: nn.Module, spec: BackboneSpec, transforms: Mapping[int, Any]) -> None:
+    """Write the replacements into the weights, in place: a linear map into the output projection (`W <- T^T W`,
+    `b <- b T`), a layer replacement's weights into the layer. Merge any LoRA first: a map acts on the
+    projection's whole output, and a layer replacement takes the layer's place."""
     layers = spec.get_layers(model)
     for index, transform in transforms.items():
+        if is_layer_replacement(transform):
+            for name, value in transform.items():
+                target = _layer_tensor(layers[int(index)], name)
+                target.copy_(value.to(device=target.device, dtype=target.dtype))
+            continue
         projection = output_projection(spec, layers[int(index)])
         if not isinstance(projection, nn.Linear):
             raise TypeError(f"layer {index}'s MLP output projection is a {type(projection).__name__}, not a plain "
@@ -128,40 +162,54 @@ def fold_replacements(model: nn.Module, spec: BackboneSpec, transforms: Mapping[
 
 
 @contextlib.contextmanager
-def replacements_folded(model: nn.Module, spec: BackboneSpec, transforms: Mapping[int, Tensor]) -> Iterator[None]:
-    """Within the context the transforms are folded into the weights (as a pruned release ships them); the
+def replacements_folded(model: nn.Module, spec: BackboneSpec, transforms: Mapping[int, Any]) -> Iterator[None]:
+    """Within the context the replacements are folded into the weights (as a pruned release ships them); the
     original weights are restored exactly on exit."""
     layers = spec.get_layers(model)
-    saved = {}
-    for index in transforms:
-        projection = output_projection(spec, layers[int(index)])
-        saved[int(index)] = (projection.weight.detach().clone(),
-                             None if projection.bias is None else projection.bias.detach().clone())
+    saved: list[tuple[Tensor, Tensor]] = []
+    for index, transform in transforms.items():
+        layer = layers[int(index)]
+        if is_layer_replacement(transform):
+            targets = [_layer_tensor(layer, name) for name in transform]
+        else:
+            projection = output_projection(spec, layer)
+            targets = [t for t in (projection.weight, projection.bias) if t is not None]
+        saved.extend((target, target.detach().clone()) for target in targets)
     fold_replacements(model, spec, transforms)
     try:
         yield
     finally:
         with torch.no_grad():
-            for index, (weight, bias) in saved.items():
-                projection = output_projection(spec, layers[index])
-                projection.weight.copy_(weight)
-                if bias is not None:
-                    projection.bias.copy_(bias)
+            for target, value in saved:
+                target.copy_(value)
 
 
-def check_replacements(transforms: Mapping[int, Tensor], removed: Iterable[int], fitted_for: Iterable[int], *,
-                       hidden_size: int, source: str) -> None:
-    """Refuse transforms fitted for another set of removed layers, or of the wrong width, naming both."""
+def check_replacements(transforms: Mapping[int, Any], removed: Iterable[int], fitted_for: Iterable[int], *,
+                       hidden_size: int, source: str, layers: nn.ModuleList | None = None) -> None:
+    """Refuse replacements fitted for another set of removed layers, or of the wrong width, naming both; a layer
+    replacement's weights are checked against `layers[i]`'s (names and shapes) where `layers` is given."""
     removed, fitted_for = sorted(set(removed)), sorted(set(fitted_for))
     if removed != fitted_for:
-        raise InputError(f"{source}: the linear replacement was fitted with layers {fitted_for} removed, but layers "
+        raise InputError(f"{source}: the replacement was fitted with layers {fitted_for} removed, but layers "
                          f"{removed} are removed now; prune exactly the fitted layers or drop the replacement")
     expected = replaced_layers(removed)
     if sorted(int(i) for i in transforms) != expected:
-        raise InputError(f"{source}: replacement transforms for layers {sorted(transforms)}, expected {expected}")
-    bad = {int(i): tuple(t.shape) for i, t in transforms.items() if tuple(t.shape) != (hidden_size, hidden_size)}
+        raise InputError(f"{source}: replacements for layers {sorted(transforms)}, expected {expected}")
+    bad: dict[int, Any] = {}
+    for index, transform in transforms.items():
+        if not is_layer_replacement(transform):
+            if tuple(transform.shape) != (hidden_size, hidden_size):
+                bad[int(index)] = tuple(transform.shape)
+        elif layers is not None:
+            from .layer_replacement import standalone_layer
+
+            own = {k: tuple(v.shape) for k, v in standalone_layer(layers[int(index)]).state_dict().items()}
+            given = {k: tuple(v.shape) for k, v in transform.items()}
+            if own != given:
+                bad[int(index)] = sorted(set(own.items()) ^ set(given.items()))[:4]
     if bad:
-        raise InputError(f"{source}: replacement transforms must be {hidden_size}x{hidden_size}, got {bad}")
+        raise InputError(f"{source}: replacements that do not fit this backbone (linear maps must be "
+                         f"{hidden_size}x{hidden_size}; a layer's weights those of its layer): {bad}")
 
 
 @torch.no_grad()
@@ -224,29 +272,47 @@ def fit_replacements(model: nn.Module, spec: BackboneSpec, layers: Iterable[int]
 REPLACEMENT_FILE = "replacement.safetensors"
 
 
-def save_replacements(directory: str | os.PathLike, transforms: Mapping[int, Tensor], removed: Iterable[int]) -> Path:
-    """Write `transforms` and the removed layers they were fitted for into an adapter folder (atomically)."""
+def save_replacements(directory: str | os.PathLike, transforms: Mapping[int, Any], removed: Iterable[int]) -> Path:
+    """Write `transforms` (linear maps `layer.<i>`, or layer replacements `layer.<i>.<weight name>`) and the removed
+    layers they were fitted for into an adapter folder (atomically)."""
     from safetensors.torch import save_file
 
     from .files import atomic_write
 
     path = Path(directory) / REPLACEMENT_FILE
-    tensors = {f"layer.{int(k)}": v.detach().float().cpu().contiguous() for k, v in transforms.items()}
-    metadata = {"removed_layers": json.dumps(sorted(int(i) for i in removed))}
+    kind = replacement_kind(transforms)
+    tensors = {}
+    for index, transform in transforms.items():
+        items = transform.items() if is_layer_replacement(transform) else [(None, transform)]
+        for name, value in items:
+            key = f"layer.{int(index)}" if name is None else f"layer.{int(index)}.{name}"
+            tensors[key] = value.detach().float().cpu().contiguous()
+    metadata = {"removed_layers": json.dumps(sorted(int(i) for i in removed)),
+                "kind": kind}
     atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
     return path
 
 
-def load_replacements(directory: str | os.PathLike) -> tuple[dict[int, Tensor], list[int]] | None:
-    """(transforms, removed layers they were fitted for) from an adapter folder; None if it has none."""
+def load_replacements(directory: str | os.PathLike) -> tuple[dict[int, Any], list[int]] | None:
+    """(replacements, removed layers they were fitted for) from an adapter folder; None if it has none."""
     from safetensors import safe_open
 
     path = Path(directory) / REPLACEMENT_FILE
     if not path.is_file():
         return None
     with safe_open(str(path), framework="pt") as f:
-        removed = json.loads((f.metadata() or {}).get("removed_layers", "null") or "null")
-        transforms = {int(key.split(".", 1)[1]): f.get_tensor(key) for key in f.keys()}
+        metadata = f.metadata() or {}
+        removed = json.loads(metadata.get("removed_layers", "null") or "null")
+        kind = metadata.get("kind", "linear")
+        if kind not in ("linear", "layer"):
+            raise InputError(f"{path} holds a replacement of kind {kind!r}; this version reads 'linear' and 'layer'")
+        transforms: dict[int, Any] = {}
+        for key in f.keys():
+            _, index, *name = key.split(".", 2)
+            if kind == "layer":
+                transforms.setdefault(int(index), {})[name[0]] = f.get_tensor(key)
+            else:
+                transforms[int(index)] = f.get_tensor(key)
     if removed is None:
         raise InputError(f"{path} does not say which layers its replacement was fitted for (no 'removed_layers' "
                          "metadata); refit it")

@@ -17,6 +17,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_warn
 
 from ..errors import InputError
+from ..replacement import replacement_kind
 from ..routing import AdapterMismatchError, check_fingerprint
 from ..routing.adapter import check_layout
 
@@ -108,6 +109,12 @@ def _check_removal(meta: dict[str, Any], hparams: Any) -> None:
             "this checkpoint healed its removal without a linear replacement and this run asks for one "
             "(replace_removed: true): fitted now, it would change the model under a LoRA trained without it. "
             f"Resume without replace_removed, {start_over}")
+    if meta.get("replacements") and hparams.replace_removed:
+        saved_kind = replacement_kind(meta["replacements"])
+        if saved_kind != hparams.replacement:
+            raise AdapterMismatchError(
+                f"this checkpoint healed its removal with a {saved_kind} replacement and this run asks for a "
+                f"{hparams.replacement} one. Resume with replacement: {saved_kind}, {start_over}")
     saved_order, saved_mode, given = meta.get("removal_order"), meta.get("removal_order_mode"), hparams.removal_order
     if isinstance(saved_mode, str) and isinstance(given, str) and saved_mode != given:
         raise AdapterMismatchError(

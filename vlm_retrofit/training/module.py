@@ -7,6 +7,7 @@ import dataclasses
 import itertools
 import logging
 import math
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Literal, Mapping
@@ -14,7 +15,7 @@ from typing import Any, Iterator, Literal, Mapping
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
-from torch import Tensor
+from torch import Tensor, nn
 
 from ..batch import META_KEYS
 from ..files import write_adapter_folder
@@ -26,7 +27,8 @@ from ..backbones.loading import load_backbone, recorded_name
 from ..backbones.registry import lora_layers
 from ..errors import InputError
 from ..pruning import layers_removed
-from ..replacement import fit_replacements, output_projection, replacements_applied
+from ..layer_replacement import fit_layer_replacements, substitutes
+from ..replacement import fit_replacements, is_layer_replacement, output_projection, replacements_applied
 from .checkpoint import (CHECKPOINT_KEY, check_checkpoint, check_optimizer_settings, checkpoint_metadata,
                          resumed_removal_range)
 from .losses import (PENALTIES, compute_penalty, distillation_kl, drop_rate_at, hidden_state_distillation,
@@ -98,6 +100,9 @@ class RetrofitModule(pl.LightningModule):
         replace_removed: bool = False,
         replacement_batches: int = 16,
         replacement_ridge: float = 0.1,
+        replacement: Literal["linear", "layer"] = "linear",
+        replacement_epochs: int = 4,
+        replacement_lr: float = 2e-3,
         distill_positions: Literal["response", "text"] = "response",
         max_drop_rate: float = 0.25,
         drop_warmup_steps: int = 20,
@@ -163,9 +168,18 @@ class RetrofitModule(pl.LightningModule):
                 inference cost, since a pruned release folds it into that layer's weights. Needs
                 `train_routers: false` and one removal set (`min_removed_blocks == max_removed_blocks`); saved
                 with the adapter (`replacement.safetensors`) and in checkpoints.
-            replacement_batches: training batches the replacement is fitted on (their KL positions).
-            replacement_ridge: ridge term of that fit, pulling it toward plain removal (relative to the mean
+            replacement_batches: training batches the replacement is fitted on (their KL positions; a `layer`
+                replacement fits on every real token).
+            replacement_ridge: ridge term of the linear fit, pulling it toward plain removal (relative to the mean
                 diagonal of the normal equations; `fit_replacements`).
+            replacement: what `replace_removed` fits. `linear`: the least-squares map above, training-free.
+                `layer`: the layer in front of each removed span retrained to write what the span wrote as well
+                (`vlm_retrofit.layer_replacement`: the full model's stream after the span as its target, one
+                layer's forward and backward per step on states captured once), then frozen while the LoRA heals
+                the rest. The release ships that layer's new weights: an ordinary model of the family, with the
+                compute of removing the span (its LoRA on that layer is not used).
+            replacement_epochs: passes of a `layer` replacement's fit over its captured batches.
+            replacement_lr: peak AdamW rate of that fit (cosine to zero).
             distill_positions: where the KL is taken: `response` = the datamodule's `loss_mask` (the answer
                 tokens); `text` = every real, non-image position (prompts too: many more positions per batch
                 for short answers such as captions).
@@ -290,6 +304,14 @@ class RetrofitModule(pl.LightningModule):
                              f"{max_removed_blocks})")
         if replace_removed and replacement_batches < 1:
             raise InputError(f"replacement_batches must be >= 1, got {replacement_batches}")
+        if replace_removed and replacement == "layer" and hidden_weight:
+            raise InputError("hidden_weight compares hidden states layer by layer, which a layer replacement's "
+                             "substitute does not report: use one or the other")
+        if replacement not in ("linear", "layer"):
+            raise InputError(f"replacement must be 'linear' or 'layer', got {replacement!r}")
+        if replacement == "layer" and (replacement_epochs < 1 or not replacement_lr > 0):
+            raise InputError(f"a layer replacement needs replacement_epochs >= 1 and replacement_lr > 0, got "
+                             f"{replacement_epochs} and {replacement_lr}")
         if isinstance(skip_candidates, bool) or (isinstance(skip_candidates, int) and skip_candidates < 1):
             raise InputError(f"skip_candidates must be a count >= 1 or a list of blocks, got {skip_candidates!r}")
         if max_nonfinite_steps < 1:
@@ -356,9 +378,14 @@ class RetrofitModule(pl.LightningModule):
                                  "skip_candidates)")
         if not train_routers:
             self.adapter.requires_grad_(False)  # identity routing, neither trained nor checkpointed
-        self.replacements: dict[int, Tensor] | None = None
-        """Linear replacement of the removed layers (`replace_removed`), keyed by the layer that carries it."""
-        if replace_removed:  # a family that cannot fold one is refused here, before any work
+        self.replacements: dict[int, Any] | None = None
+        """Replacement of the removed layers (`replace_removed`), keyed by the layer that carries it: a linear map
+        [d, d] each, or a layer replacement's state dict each."""
+        self.replacement_fit_seconds: float | None = None
+        """Wall clock of this run's replacement fit (None: none fitted in this process)."""
+        self._substitutes: tuple[dict[int, Any], dict[int, nn.Module]] | None = None
+        """Modules running the layer replacements in the student, with the replacements they were made from."""
+        if replace_removed and replacement == "linear":  # a family that cannot fold one is refused before any work
             output_projection(self.adapter.spec, self.adapter.spec.get_layers(model)[0])
         self.adapter.base_model = {"name": recorded_name(backbone), "kwargs": dict(backbone_kwargs or {}), "torch_dtype": torch_dtype,
                                    "attn_implementation": attn_implementation, "model_class": model_class,
@@ -428,7 +455,7 @@ class RetrofitModule(pl.LightningModule):
 
     def save_adapter(self, directory: str | Path) -> Path:
         """Write the routers as `adapter_config.json` + `adapter_model.safetensors` (LoRA under `lora/`, a
-        linear replacement of the removed layers as `replacement.safetensors`). The folder is replaced whole: a
+        replacement of the removed layers as `replacement.safetensors`). The folder is replaced whole: a
         LoRA or replacement an earlier run left there does not survive to be merged with these routers."""
         replacement = (self.replacements, self.replacement_layers()) if self.replacements is not None else None
         return write_adapter_folder(Path(directory), self.adapter, self.model if self.hparams.lora else None,
@@ -442,7 +469,7 @@ class RetrofitModule(pl.LightningModule):
         if self.hparams.replace_removed and self.replacements is None:  # a resumed run keeps its checkpoint's
             self.fit_replacement()
 
-    def fit_replacement(self, batches: list[Mapping[str, Any]] | None = None) -> dict[int, Tensor]:
+    def fit_replacement(self, batches: list[Mapping[str, Any]] | None = None) -> dict[int, Any]:
         """Fit the `replace_removed` replacement against the frozen base on `batches` (default: the first
         `replacement_batches` of the datamodule's training data); every rank keeps rank 0's."""
         if batches is None:
@@ -456,15 +483,31 @@ class RetrofitModule(pl.LightningModule):
             raise ValueError("replace_removed: the training data gave no batch to fit the replacement on")
         self._ensure_removal_order(batches[0])
         precision = self.trainer.precision_plugin.forward_context() if self._trainer is not None else contextlib.nullcontext()
+        hp = self.hparams
+        started = time.perf_counter()
+        trainer = self._trainer
+        # Rank 0 fits (a layer replacement takes minutes) and every rank keeps its fit.
+        fits_here = trainer is None or trainer.is_global_zero
         with self.teacher(), precision:
-            transforms = fit_replacements(self.model, self.adapter.spec, self.replacement_layers(),
-                                          [self.model_inputs(batch) for batch in batches],
-                                          ridge=float(self.hparams.replacement_ridge))
-        if self._trainer is not None:
-            transforms = self.trainer.strategy.broadcast(transforms, src=0)
-        self.replacements = {int(k): v.to(self.device) for k, v in transforms.items()}
-        log.info("linear replacement of layers %s fitted on %d batches (carried by layers %s)",
-                 self.replacement_layers(), len(batches), sorted(self.replacements))
+            if not fits_here:
+                transforms = None
+            elif hp.replacement == "layer":  # fitted on every real token: later tokens attend to image positions too
+                pairs = [(inputs, inputs["attention_mask"].bool() if "attention_mask" in inputs else
+                          torch.ones(inputs["input_ids"].shape, dtype=torch.bool, device=self.device))
+                         for inputs, _ in map(self.model_inputs, batches)]
+                transforms = fit_layer_replacements(self.model, self.adapter.spec, self.replacement_layers(), pairs,
+                                                    epochs=int(hp.replacement_epochs), lr=float(hp.replacement_lr),
+                                                    seed=int(hp.seed))
+            else:
+                transforms = fit_replacements(self.model, self.adapter.spec, self.replacement_layers(),
+                                              [self.model_inputs(batch) for batch in batches],
+                                              ridge=float(hp.replacement_ridge))
+        if trainer is not None:
+            transforms = trainer.strategy.broadcast(transforms, src=0)
+        self.replacements = {int(k): v if is_layer_replacement(v) else v.to(self.device) for k, v in transforms.items()}
+        self.replacement_fit_seconds = time.perf_counter() - started
+        log.info("%s replacement of layers %s fitted on %d batches in %.0f s (carried by layers %s)", hp.replacement,
+                 self.replacement_layers(), len(batches), self.replacement_fit_seconds, sorted(self.replacements))
         return self.replacements
 
     # ------------------------------------------------------------------ the loss
@@ -603,15 +646,27 @@ class RetrofitModule(pl.LightningModule):
         `prefix_output` (what the teacher's layer `shared` received) instead."""
         spec = self.adapter.spec
         skipped = sorted({*range(shared), *removed_layers})
+        substitutes = self.replacement_substitutes()
         with contextlib.ExitStack() as stack:
             stack.enter_context(self.adapter.disabled())
-            stack.enter_context(replacements_applied(self.model, spec, self.replacements or {}))
+            linear = {k: v for k, v in (self.replacements or {}).items() if not is_layer_replacement(v)}
+            stack.enter_context(replacements_applied(self.model, spec, linear))
             if shared:
                 layers = spec.get_layers(self.model)
                 first_kept = next(i for i in range(len(layers)) if i not in skipped)
-                stack.enter_context(layer_input_replaced(layers[first_kept], prefix_output))
-            stack.enter_context(layers_removed(self.model, spec, skipped))
+                stack.enter_context(layer_input_replaced(substitutes.get(first_kept, layers[first_kept]), prefix_output))
+            stack.enter_context(layers_removed(self.model, spec, skipped, substitutes))
             return self._forward(inputs, rows)
+
+    def replacement_substitutes(self) -> dict[int, nn.Module]:
+        """The modules the student runs in place of the layers carrying a layer replacement (made once per
+        replacement, on the model's device; none for a linear one)."""
+        replacements = self.replacements or {}
+        if not any(is_layer_replacement(v) for v in replacements.values()):
+            return {}
+        if self._substitutes is None or self._substitutes[0] is not replacements:
+            self._substitutes = (replacements, substitutes(self.model, self.adapter.spec, replacements))
+        return self._substitutes[1]
 
     def _verify_shared_prefix(self, logits: Tensor, inputs: dict[str, Any], rows: Tensor | None,
                               removed_layers: list[int]) -> None:

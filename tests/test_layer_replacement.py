@@ -1,0 +1,204 @@
+"""Layer replacement of removed layers: the fit improves on plain removal for every family, the student's substitute
+equals the folded weights, adapter and checkpoint round trips, the pruned release runs the student's model."""
+
+import json
+
+import pytest
+import torch
+
+from vlm_retrofit.backbones import resolve
+from vlm_retrofit.layer_replacement import fit_layer_replacements, standalone_layer, substitutes
+from vlm_retrofit.pruning import layers_removed
+from vlm_retrofit.replacement import (check_replacements, fold_replacements, load_replacements, replacements_folded,
+                                      save_replacements)
+from vlm_retrofit.testing import FAMILIES, tiny_inputs, tiny_vlm
+
+REMOVED = [2, 4, 5]  # two spans in a 7-layer decoder: [2] carried by layer 1, [4, 5] by layer 3
+
+
+def _stream_after_span(model, spec, inputs, mask, replaced):
+    """The stream entering layer 6 at the `mask` positions: of the full model, and with REMOVED removed (their
+    front layers running `replaced`'s substitutes)."""
+    captured = {}
+    layers = spec.get_layers(model)
+    hook = layers[6].register_forward_pre_hook(
+        lambda m, args, kwargs: captured.__setitem__("x", args[0] if args else kwargs["hidden_states"]), with_kwargs=True)
+    try:
+        with torch.no_grad():
+            model(**inputs, use_cache=False)
+            full = captured["x"][mask]
+            with layers_removed(model, spec, REMOVED, substitutes(model, spec, replaced)):
+                model(**inputs, use_cache=False)
+            return full, captured["x"][mask]
+    finally:
+        hook.remove()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fit_beats_plain_removal_and_folds_exactly(family):
+    model, processor = tiny_vlm(family, num_hidden_layers=7)
+    spec = resolve(model)
+    inputs = dict(tiny_inputs(processor, batch=3))
+    mask = inputs["attention_mask"].bool()
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    states = fit_layer_replacements(model, spec, REMOVED, [(inputs, mask)], epochs=30, lr=3e-3)
+    assert sorted(states) == [1, 3]
+    assert all(torch.equal(v, weights[k]) for k, v in model.state_dict().items())  # the backbone is untouched
+    own = standalone_layer(spec.get_layers(model)[1]).state_dict()
+    assert states[1].keys() == own.keys() and all(v.dtype == torch.float32 for v in states[1].values())
+
+    # Trained where it was fitted, the stream after the spans is closer to the full model's than plain removal's.
+    full, plain = _stream_after_span(model, spec, inputs, mask, {})
+    _, replaced = _stream_after_span(model, spec, inputs, mask, states)
+    assert ((replaced - full) ** 2).sum() < 0.9 * ((plain - full) ** 2).sum()
+
+    # The student's substitutes and the folded weights (a pruned release's) compute the same model.
+    with torch.no_grad(), layers_removed(model, spec, REMOVED, substitutes(model, spec, states)):
+        student = model(**inputs, use_cache=False).logits[mask]
+    with torch.no_grad(), replacements_folded(model, spec, states), layers_removed(model, spec, REMOVED):
+        folded_for_now = model(**inputs, use_cache=False).logits[mask]
+    assert all(torch.equal(v, weights[k]) for k, v in model.state_dict().items())  # restored exactly
+    fold_replacements(model, spec, states)
+    with torch.no_grad(), layers_removed(model, spec, REMOVED):
+        folded = model(**inputs, use_cache=False).logits[mask]
+    torch.testing.assert_close(folded, student, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(folded_for_now, folded, atol=0, rtol=0)
+
+
+def test_saved_and_checked_by_kind(tmp_path):
+    model, _ = tiny_vlm("llama", num_hidden_layers=7)
+    spec = resolve(model)
+    layers = spec.get_layers(model)
+    states = {i: standalone_layer(layers[i]).state_dict() for i in (1, 3)}
+    save_replacements(tmp_path, states, REMOVED)
+    loaded, removed = load_replacements(tmp_path)
+    assert removed == REMOVED and sorted(loaded) == [1, 3]
+    assert all(torch.equal(loaded[i][k], v) for i in (1, 3) for k, v in states[i].items())
+    check_replacements(loaded, REMOVED, removed, hidden_size=64, source="adapter", layers=layers)
+    other, _ = tiny_vlm("llama", num_hidden_layers=7, intermediate_size=96)
+    with pytest.raises(ValueError, match="do not fit this backbone"):
+        check_replacements(loaded, REMOVED, removed, hidden_size=64, source="adapter", layers=spec.get_layers(other))
+    with pytest.raises(ValueError, match="all linear maps or all layers"):
+        save_replacements(tmp_path, {1: states[1], 3: torch.eye(64)}, REMOVED)
+
+
+LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"]}
+
+
+def _module(**kwargs):
+    from vlm_retrofit.training import RetrofitModule
+
+    args = dict(backbone="tiny:llama", backbone_kwargs={"num_hidden_layers": 6}, lora=LORA, removal_order=[3, 2, 1],
+                max_removed_blocks=2, min_removed_blocks=2, max_drop_rate=0.0, use_gates=False, train_routers=False,
+                replace_removed=True, replacement="layer", replacement_batches=2, replacement_epochs=3, lr=1e-2,
+                warmup_steps=0, scheduler="constant")
+    return RetrofitModule(**{**args, **kwargs})
+
+
+def _data(seed):
+    from vlm_retrofit.training import FixedBatchDataModule
+
+    data = FixedBatchDataModule(processor="tiny:llama", num_batches=2, val_batches=0, batch_size=2, seed=seed)
+    data.setup()
+    return data
+
+
+def _trainer(max_steps, root):
+    import lightning.pytorch as pl
+
+    return pl.Trainer(max_steps=max_steps, accelerator="cpu", devices=1, logger=False, default_root_dir=root,
+                      enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                      limit_val_batches=0)
+
+
+def test_module_fits_a_layer_trains_with_it_resumes_it_and_ships_it_pruned(tmp_path):
+    from vlm_retrofit import load_release
+    from vlm_retrofit.routing import AdapterMismatchError
+    from vlm_retrofit.release import load_checkpoint, load_trained, merge
+
+    module, data = _module(), _data(seed=0)
+    base, _ = tiny_vlm("llama", num_hidden_layers=6)
+    expected = fit_layer_replacements(base, resolve(base), [2, 3],
+                                      [(inputs, inputs["attention_mask"].bool())
+                                       for inputs, _ in map(module.model_inputs, data.train_batches)], epochs=3)
+    _trainer(3, tmp_path / "run").fit(module, data)
+    assert sorted(module.replacements) == [1]  # span [2, 3] is carried by layer 1
+    fitted = module.replacements
+    for name, value in expected[1].items():  # fitted on the frozen base, LoRA and routers out of the way
+        torch.testing.assert_close(fitted[1][name], value, atol=1e-5, rtol=1e-4)
+    layer1 = module.adapter.spec.get_layers(module.model)[1]
+    assert any(not torch.equal(v, standalone_layer(layer1).state_dict()[k]) for k, v in fitted[1].items())
+
+    # The student runs layer 1's new weights: its own weights as the replacement are plain removal.
+    batch = data.train_batches[0]
+
+    def kl(replacements):
+        module.replacements = replacements
+        with torch.no_grad():
+            return module.compute_loss(batch, drop_rate=0.0, seed=0).kl
+
+    plain = kl(None)
+    # Layer 1's own weights as its replacement are plain removal (its LoRA, which the student never runs, is still
+    # at B = 0 here, so the two agree).
+    torch.testing.assert_close(kl({1: standalone_layer(layer1).state_dict()}), plain)
+    assert abs(kl(fitted) - plain) > 1e-4
+    module.replacements = fitted
+
+    # A resumed run keeps the checkpoint's replacement, even on other data; another kind is refused.
+    (ckpt,) = (tmp_path / "run").rglob("*.ckpt")
+    resumed = _module()
+    _trainer(4, tmp_path / "resumed").fit(resumed, _data(seed=1), ckpt_path=str(ckpt))
+    assert all(torch.equal(resumed.replacements[1][k], v) for k, v in fitted[1].items())
+    with pytest.raises(AdapterMismatchError, match="with a layer replacement and this run asks for a linear one"):
+        _trainer(4, tmp_path / "linear").fit(_module(replacement="linear"), _data(seed=1), ckpt_path=str(ckpt))
+
+    # The adapter folder and the checkpoint both carry it; a pruned release holds it as layer 1's weights.
+    module.save_adapter(tmp_path / "adapter")
+    states, layers = load_trained(tmp_path / "adapter").replacement
+    assert layers == [2, 3] and all(torch.equal(states[1][k], v) for k, v in fitted[1].items())
+    merge(ckpt, tmp_path / "pruned", prune_blocks=[2, 3])
+    config = json.loads((tmp_path / "pruned" / "release_config.json").read_text())
+    assert config["pruned"]["replacement_folded_into"] == [1] and config["pruned"]["replacement_kind"] == "layer"
+    assert "Layers [1] (numbered as before pruning) were retrained" in (tmp_path / "pruned" / "README.md").read_text()
+    released, processor = load_release(tmp_path / "pruned")
+    reference = load_checkpoint(ckpt)
+    reference.adapter.detach()
+    model = reference.model.merge_and_unload()
+    spec = resolve(model)
+    inputs = tiny_inputs(processor)
+    mask = inputs["attention_mask"].bool()
+    with torch.no_grad():
+        with layers_removed(model, spec, [2, 3], substitutes(model, spec, reference.replacement[0])):
+            student = model(**inputs).logits[mask]
+        torch.testing.assert_close(released(**inputs).logits[mask], student, atol=1e-4, rtol=0)
+    with pytest.raises(ValueError, match=r"fitted with layers \[2, 3\] removed, but layers \[3\]"):
+        merge(ckpt, tmp_path / "other", prune_blocks=[3], allow_untrained_removal=True)
+
+
+def test_shared_prefix_hands_the_substitute_its_input():
+    # LoRA above the removal only: the student takes layers 0 (below the replaced layer 1) from the teacher, and the
+    # substitute running as layer 1 must receive the teacher's stream there.
+    lora = {"r": 4, "lora_alpha": 8, "target_modules": r".*layers\.[45]\.self_attn\.(q_proj|v_proj)"}
+    data = _data(seed=0)
+    shared = _module(lora=lora, share_teacher_prefix=True)
+    whole = _module(lora=lora, share_teacher_prefix=False)
+    states = fit_layer_replacements(shared.model, shared.adapter.spec, [2, 3],
+                                    [(inputs, inputs["attention_mask"].bool())
+                                     for inputs, _ in map(shared.model_inputs, data.train_batches)], epochs=3)
+    shared.replacements, whole.replacements = states, states
+    assert shared.shared_prefix_layers([2, 3]) == 1
+    batch = data.train_batches[0]
+    with torch.no_grad():
+        torch.testing.assert_close(shared.compute_loss(batch, drop_rate=0.0, seed=0).kl,
+                                   whole.compute_loss(batch, drop_rate=0.0, seed=0).kl)
+    assert shared._prefix_verified
+
+
+def test_module_refuses_bad_layer_replacement_settings():
+    with pytest.raises(ValueError, match="replacement must be 'linear' or 'layer'"):
+        _module(replacement="mean")
+    with pytest.raises(ValueError, match="replacement_epochs >= 1 and replacement_lr > 0"):
+        _module(replacement_epochs=0)
+    with pytest.raises(ValueError, match="hidden_weight"):
+        _module(hidden_weight=1.0)
+    _module(backbone="tiny:gemma3")  # a normed MLP output refuses a linear replacement, not a layer one

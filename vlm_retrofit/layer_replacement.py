@@ -1,0 +1,194 @@
+"""Layer replacement of removed layers: the layer in front of each removed span, retrained to do the span's work too.
+
+When layers p+1..b are removed, layer p is given new weights, trained so that from its own input it writes what the
+full model's layers p..b wrote together (`fit_layer_replacements`: the full model's stream after layer b as the
+target, a per-token relative squared error on the update, only that one layer's forward and backward per step).
+A pruned release then holds layer p with those weights and none of p+1..b: an ordinary model of the same family,
+one layer per span more than plain removal keeps, so its compute is that of removing b - p layers. It is the
+nonlinear counterpart of the linear replacement (`vlm_retrofit.replacement`; LLM-Streamline, Chen et al. 2024, trains
+a lightweight network for a pruned span the same way). A replacement is kept as the layer's state dict (the names
+of the plain layer, no adapter wrappers), keyed by p like a linear one.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any, Iterable, Mapping
+
+import torch
+from torch import Tensor, nn
+
+from .backbones.registry import BackboneSpec, unwrap_model
+
+
+def standalone_layer(layer: nn.Module) -> nn.Module:
+    """A copy of decoder `layer` with nothing of the framework or PEFT on it: no hooks or patched forward (the
+    routers' and a skip context's), LoRA and `modules_to_save` wrappers replaced by the modules they wrap."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.utils.other import ModulesToSaveWrapper
+
+    clone = copy.deepcopy(layer)
+    for module in list(clone.modules()):
+        module.__dict__.pop("forward", None)
+        for hooks in (module._forward_hooks, module._forward_pre_hooks, module._backward_hooks,
+                      module._backward_pre_hooks, module._forward_hooks_with_kwargs, module._forward_pre_hooks_with_kwargs):
+            hooks.clear()
+        for name, child in list(module.named_children()):
+            if isinstance(child, BaseTunerLayer):
+                setattr(module, name, child.get_base_layer())
+            elif isinstance(child, ModulesToSaveWrapper):
+                setattr(module, name, child.original_module)
+    return clone
+
+
+def layer_with(layer: nn.Module, state: Mapping[str, Tensor]) -> nn.Module:
+    """A standalone copy of `layer` (`standalone_layer`) holding the weights of `state` (each in the dtype of the
+    weight it replaces), on the layer's device, frozen: what the healing student runs in place of `layer`."""
+    clone = standalone_layer(layer)
+    missing, unexpected = clone.load_state_dict(dict(state), strict=False)
+    if missing or unexpected:
+        raise ValueError(f"a layer replacement's weights do not fit {type(layer).__name__}: missing {missing[:4]}, "
+                         f"unexpected {unexpected[:4]}")
+    return clone.requires_grad_(False).eval()
+
+
+def substitutes(model: nn.Module, spec: BackboneSpec, states: Mapping[int, Mapping[str, Tensor]]) -> dict[int, nn.Module]:
+    """`layer_with` for each replaced layer of `model`, keyed by its index (for `pruning.layers_removed`)."""
+    layers = spec.get_layers(model)
+    return {int(index): layer_with(layers[int(index)], state) for index, state in states.items()}
+
+
+class _Stop(Exception):
+    """Raised by a hook once the last layer a capture needs has run: the layers above it would be wasted work."""
+
+
+def _to(value: Any, device: torch.device | str, dtype: torch.dtype | None = None) -> Any:
+    """`value` (a tensor, or tuples / dicts of them) on `device`; floating tensors in `dtype` where given."""
+    if isinstance(value, Tensor):
+        return value.to(device=device, dtype=dtype if dtype is not None and value.is_floating_point() else None)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_to(v, device, dtype) for v in value)
+    if isinstance(value, dict):
+        return {k: _to(v, device, dtype) for k, v in value.items()}
+    return value
+
+
+def _captured(model: nn.Module, spec: BackboneSpec, batches: list[tuple[dict[str, Any], Tensor]], *,
+              inputs_of: int | None = None, outputs_of: list[int] = ()) -> list[dict[str, Any]]:
+    """Per batch, on the CPU: the hidden states layer `inputs_of` is called with and its other keyword arguments
+    (`input`, `kwargs`), and the outputs of the layers `outputs_of` (`out<i>`). The forward stops after the last of
+    them. Kept on the CPU: a large model's states for a few hundred batches would not fit beside it on a GPU."""
+    from .backbones.registry import layer_hidden_states
+    from .replacement import _first
+
+    layers = spec.get_layers(model)
+    last = max([*outputs_of, *([] if inputs_of is None else [inputs_of])])
+    store: dict[str, Any] = {}
+
+    def take_input(_module, args, kwargs):
+        store["input"] = layer_hidden_states(args, kwargs).detach().cpu()
+        store["kwargs"] = _to({k: v for k, v in kwargs.items() if k != "hidden_states"}, "cpu")
+        if inputs_of == last and not outputs_of:
+            raise _Stop
+
+    def take_output(index):
+        def hook(_module, _args, output):
+            store[f"out{index}"] = _first(output).detach().cpu()
+            if index == last:
+                raise _Stop
+        return hook
+
+    handles = [layers[i].register_forward_hook(take_output(i)) for i in outputs_of]
+    if inputs_of is not None:
+        handles.append(layers[inputs_of].register_forward_pre_hook(take_input, with_kwargs=True))
+    captured = []
+    try:
+        for inputs, _ in batches:
+            store.clear()
+            try:
+                unwrap_model(model)(**inputs, use_cache=False)
+            except _Stop:
+                pass
+            else:
+                raise RuntimeError(f"layer {last} never ran: it cannot be captured for a layer replacement")
+            captured.append(dict(store))
+    finally:
+        for handle in handles:
+            handle.remove()
+    return captured
+
+
+def update_error(output: Tensor, target: Tensor, layer_input: Tensor, mask: Tensor) -> Tensor:
+    """Mean over the `mask` positions of |output - target|^2 / |target - input|^2 per token: the squared error of
+    the layer's update relative to the update it should write (the stream itself is dominated by a few huge
+    coordinates that no layer here changes)."""
+    goal = (target - layer_input)[mask].float()
+    error = (output - target)[mask].float()
+    return (error.pow(2).sum(-1) / goal.pow(2).sum(-1).clamp_min(1e-12)).mean()
+
+
+def fit_layer_replacements(model: nn.Module, spec: BackboneSpec, layers: Iterable[int],
+                           batches: Iterable[tuple[dict[str, Any], Tensor]], *, epochs: int = 4, lr: float = 2e-3,
+                           seed: int = 0) -> dict[int, dict[str, Tensor]]:
+    """Train one layer replacement per removed span of `layers` (keyed by the layer in front of it), in depth order.
+
+    `batches`: (forward keywords, bool mask [B, T] of the positions to fit on). The model runs as given (put routers
+    and LoRA out of the way first): once in full, up to the last span's last layer, for every span's target (the
+    full model's stream after it), and for a later span once more with the earlier spans replaced, for its input.
+    The replacement then trains `epochs` passes over what was captured (AdamW at `lr`, cosine to zero, the batches
+    in a seeded order; fp32 weights, in eval mode as the student runs it). The layer in front starts from its own
+    weights. Returns fp32 CPU state dicts of the plain layers.
+    """
+    from .pruning import layers_removed
+    from .replacement import removed_spans, replaced_layers
+
+    removed = sorted(set(int(i) for i in layers))
+    spans, fronts = removed_spans(removed), replaced_layers(removed)
+    batches = list(batches)
+    decoder_layers = spec.get_layers(model)
+    if not spans:
+        return {}
+    if not batches:
+        raise ValueError("fit_layer_replacements needs at least one batch")
+    if epochs < 1:
+        raise ValueError(f"epochs must be >= 1, got {epochs}")
+    device = next(decoder_layers[fronts[0]].parameters()).device
+    with torch.no_grad():
+        full = _captured(model, spec, batches, inputs_of=fronts[0], outputs_of=[span[-1] for span in spans])
+    masks = [mask.cpu() for _, mask in batches]
+    generator = torch.Generator().manual_seed(seed)
+    states: dict[int, dict[str, Tensor]] = {}
+    for number, (front, span) in enumerate(zip(fronts, spans)):
+        if number == 0:
+            inputs = full
+        else:  # the earlier spans removed and replaced renumber the layers: the front moves down by their length
+            below = [layer for s in spans if s[-1] < span[0] for layer in s]
+            with torch.no_grad(), layers_removed(model, spec, below, substitutes(model, spec, states)):
+                inputs = _captured(model, spec, batches, inputs_of=front - len(below))
+        trained = standalone_layer(decoder_layers[front]).float().eval().requires_grad_(True)
+        optimizer = torch.optim.AdamW(trained.parameters(), lr=lr, weight_decay=0.0)
+        # Without autocast the frozen weights' dtype (bf16) reaches the fp32 layer as is: fit it in fp32 throughout.
+        dtype = None if torch.is_autocast_enabled(device.type) else torch.float32
+        usable = [i for i, mask in enumerate(masks) if mask.any()]
+        if not usable:
+            raise ValueError("fit_layer_replacements: no batch has a position to fit on (every mask is empty)")
+        total, step = epochs * len(usable), 0
+        with torch.enable_grad():
+            for _ in range(epochs):
+                for index in torch.randperm(len(usable), generator=generator).tolist():
+                    batch = usable[index]
+                    layer_input = _to(inputs[batch]["input"], device, dtype)
+                    target = _to(full[batch][f"out{span[-1]}"], device, dtype)
+                    mask = masks[batch].to(device)
+                    for group in optimizer.param_groups:
+                        group["lr"] = lr * 0.5 * (1 + math.cos(math.pi * step / total))
+                    output = trained(layer_input, **_to(inputs[batch]["kwargs"], device, dtype))
+                    output = output[0] if isinstance(output, (tuple, list)) else output
+                    loss = update_error(output, target, layer_input, mask)
+                    optimizer.zero_grad(set_to_none=True)
+                    loss.backward()
+                    optimizer.step()
+                    step += 1
+        states[front] = {name: value.detach().float().cpu().clone() for name, value in trained.state_dict().items()}
+    return states
