@@ -13,6 +13,8 @@ from vlm_retrofit.replacement import (check_replacements, fold_replacements, loa
                                       save_replacements)
 from vlm_retrofit.testing import FAMILIES, tiny_inputs, tiny_vlm
 
+from test_replacement import _data, _trainer, _module as _healing_module
+
 REMOVED = [2, 4, 5]  # two spans in a 7-layer decoder: [2] carried by layer 1, [4, 5] by layer 3
 
 
@@ -82,33 +84,9 @@ def test_saved_and_checked_by_kind(tmp_path):
         save_replacements(tmp_path, {1: states[1], 3: torch.eye(64)}, REMOVED)
 
 
-LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"]}
-
-
 def _module(**kwargs):
-    from vlm_retrofit.training import RetrofitModule
-
-    args = dict(backbone="tiny:llama", backbone_kwargs={"num_hidden_layers": 6}, lora=LORA, removal_order=[3, 2, 1],
-                max_removed_blocks=2, min_removed_blocks=2, max_drop_rate=0.0, use_gates=False, train_routers=False,
-                replace_removed=True, replacement="layer", replacement_batches=2, replacement_epochs=3, lr=1e-2,
-                warmup_steps=0, scheduler="constant")
-    return RetrofitModule(**{**args, **kwargs})
-
-
-def _data(seed):
-    from vlm_retrofit.training import FixedBatchDataModule
-
-    data = FixedBatchDataModule(processor="tiny:llama", num_batches=2, val_batches=0, batch_size=2, seed=seed)
-    data.setup()
-    return data
-
-
-def _trainer(max_steps, root):
-    import lightning.pytorch as pl
-
-    return pl.Trainer(max_steps=max_steps, accelerator="cpu", devices=1, logger=False, default_root_dir=root,
-                      enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                      limit_val_batches=0)
+    """The linear replacement tests' tiny healing run (LoRA, layers 2-3 removed), with a layer replacement."""
+    return _healing_module(**{"replacement": "layer", "replacement_epochs": 3, **kwargs})
 
 
 def test_module_fits_a_layer_trains_with_it_resumes_it_and_ships_it_pruned(tmp_path):
