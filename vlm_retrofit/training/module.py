@@ -161,11 +161,10 @@ class RetrofitModule(pl.LightningModule):
                 teacher's hidden state after every kept layer from the first removed one on, at the KL's positions
                 (`hidden_state_distillation`): a dense target for every layer that the logits reach only through
                 the layers above it. 0 = logits only.
-            replace_removed: before training, fit a linear replacement of the removed layers on the first
-                `replacement_batches` training batches (`vlm_retrofit.replacement`: per removed span, a
-                least-squares map on the MLP output of the layer in front of it, toward the full model's stream
-                after the span) and keep it in the student while the LoRA heals: a better starting point at no
-                inference cost, since a pruned release folds it into that layer's weights. Needs
+            replace_removed: before training, fit a replacement of the removed layers (`replacement`) on the
+                first `replacement_batches` training batches, toward the full model's stream after each removed
+                span, and keep it in the student while the LoRA heals: a better starting point at no inference
+                cost, since a pruned release folds it into the weights of the layer in front of the span. Needs
                 `train_routers: false` and one removal set (`min_removed_blocks == max_removed_blocks`); saved
                 with the adapter (`replacement.safetensors`) and in checkpoints.
             replacement_batches: training batches the replacement is fitted on (their KL positions; a `layer`
@@ -660,11 +659,13 @@ class RetrofitModule(pl.LightningModule):
 
     def replacement_substitutes(self) -> dict[int, nn.Module]:
         """The modules the student runs in place of the layers carrying a layer replacement (made once per
-        replacement, on the model's device; none for a linear one)."""
+        replacement and device, on the model's; none for a linear one)."""
         replacements = self.replacements or {}
         if not any(is_layer_replacement(v) for v in replacements.values()):
             return {}
-        if self._substitutes is None or self._substitutes[0] is not replacements:
+        made = self._substitutes
+        if (made is None or made[0] is not replacements
+                or any(next(m.parameters()).device != self.device for m in made[1].values())):
             self._substitutes = (replacements, substitutes(self.model, self.adapter.spec, replacements))
         return self._substitutes[1]
 
