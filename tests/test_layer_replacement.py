@@ -89,8 +89,9 @@ def _module(**kwargs):
     return _healing_module(**{"replacement": "layer", "replacement_epochs": 3, **kwargs})
 
 
-def test_module_fits_a_layer_trains_with_it_resumes_it_and_ships_it_pruned(tmp_path):
+def test_module_fits_a_layer_trains_with_it_resumes_it_and_ships_it_pruned(tmp_path, capsys):
     from vlm_retrofit import load_release
+    from vlm_retrofit.cli import main
     from vlm_retrofit.routing import AdapterMismatchError
     from vlm_retrofit.release import load_checkpoint, load_trained, merge
 
@@ -134,6 +135,12 @@ def test_module_fits_a_layer_trains_with_it_resumes_it_and_ships_it_pruned(tmp_p
     module.save_adapter(tmp_path / "adapter")
     states, layers = load_trained(tmp_path / "adapter").replacement
     assert layers == [2, 3] and all(torch.equal(states[1][k], v) for k, v in fitted[1].items())
+    # Only a pruned release runs it: routing or generating with layers 2-3 kept would count the span twice.
+    for source in (tmp_path / "adapter", ckpt):
+        assert main(["generate", "--model", str(source), "--prompt", "Hi"]) == 1
+        assert main(["calibrate", "--model", str(source)]) == 1
+        err = capsys.readouterr().err
+        assert err.count("carries a replacement of removed layers [2, 3], which only a pruned release runs") == 2
     merge(ckpt, tmp_path / "pruned", prune_blocks=[2, 3])
     config = json.loads((tmp_path / "pruned" / "release_config.json").read_text())
     assert config["pruned"]["replacement_folded_into"] == [1] and config["pruned"]["replacement_kind"] == "layer"

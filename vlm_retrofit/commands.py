@@ -41,6 +41,16 @@ def _adapter_output(loaded: Loaded, source: Path, output: str | None) -> tuple[P
     return target, in_place
 
 
+def _replacement_problem(loaded: Loaded, source: Path) -> str | None:
+    """Why `source` cannot run as loaded: a replacement of removed layers stands in for layers that only a pruned
+    release deletes, so routing or generating with them kept would count the removed span twice."""
+    if loaded.replacement is None:
+        return None
+    return (f"{source} carries a replacement of removed layers {sorted(loaded.replacement[1])}, which only a "
+            "pruned release runs: merge it with `python -m vlm_retrofit merge --prune-target ...` (or --prune-blocks "
+            "for those layers) and use the release")
+
+
 def calibrate_main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m vlm_retrofit calibrate", formatter_class=HelpFormatter,
@@ -90,6 +100,9 @@ def calibrate_main(argv: list[str] | None = None) -> int:
               "calibrate; calibrate the adapter or checkpoint it was merged from", file=sys.stderr)
         return 1
     loaded = load_trained(source, ns.base, trust_remote_code=ns.trust_remote_code, torch_dtype=ns.dtype)
+    if problem := _replacement_problem(loaded, source):
+        print(f"calibrate refused: {problem}", file=sys.stderr)
+        return 1
     if ns.dtype is None:
         warn_about_slow_dtype("calibrate", loaded.model, ns.device)
     try:
@@ -268,6 +281,9 @@ def generate_main(argv: list[str] | None = None) -> int:
               "layers are deleted from the weights, every token saves them)", file=sys.stderr)
         return 1
     loaded = load_trained(Path(ns.model), ns.base, trust_remote_code=ns.trust_remote_code, torch_dtype=ns.dtype)
+    if problem := _replacement_problem(loaded, Path(ns.model)):
+        print(f"generate refused: {problem}", file=sys.stderr)
+        return 1
     if ns.dtype is None:
         warn_about_slow_dtype("generate", loaded.model, ns.device)
     try:
