@@ -223,6 +223,16 @@ def test_a_sigtermed_run_saves_the_step_it_stopped_at_and_resumes_exactly(tmp_pa
     _assert_resumes_like_straight(tmp_path, "stopped", count_steps)
 
 
+@pytest.fixture
+def sigint_as_at_a_terminal():
+    """Python's Ctrl-C handler, as an interactive shell starts it: a job launched in the background by a
+    non-interactive shell starts with SIGINT ignored, which the run rightly leaves alone (and the Ctrl-C tests then
+    ran to the end)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 def _ctrl_c_at(step):
     def on_train_batch_start(self, batch, batch_idx):
         if self.global_step == step:
@@ -230,7 +240,8 @@ def _ctrl_c_at(step):
     return on_train_batch_start
 
 
-def test_a_run_stopped_by_ctrl_c_saves_the_step_it_stopped_at_and_resumes_exactly(tmp_path, monkeypatch, count_steps):
+def test_a_run_stopped_by_ctrl_c_saves_the_step_it_stopped_at_and_resumes_exactly(tmp_path, monkeypatch, count_steps,
+                                                                                  sigint_as_at_a_terminal):
     # Before: Ctrl-C struck inside a step; Lightning stopped there and saved nothing since the periodic checkpoint.
     assert _fit(tmp_path / "straight") == 0
     with monkeypatch.context() as patch:
@@ -242,10 +253,26 @@ def test_a_run_stopped_by_ctrl_c_saves_the_step_it_stopped_at_and_resumes_exactl
     _assert_resumes_like_straight(tmp_path, "stopped", count_steps)
 
 
+def test_a_run_started_with_sigint_ignored_leaves_it_ignored(tmp_path, monkeypatch):
+    # A background job of a non-interactive shell: Python itself leaves SIGINT ignored there, and so does the run.
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with monkeypatch.context() as patch:
+            patch.setattr(RetrofitModule, "on_train_batch_start", _ctrl_c_at(1), raising=False)
+            assert _fit(tmp_path, steps=3) == 0  # the signal changed nothing: all steps ran, adapter exported
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert inspect_checkpoint(tmp_path / "checkpoints" / "last.ckpt")["global_step"] == 3
+    assert (tmp_path / "adapter").exists()
+
+
 CTRL_C_SCRIPT = """
 import os, signal, sys
 from vlm_retrofit.cli import main
 from vlm_retrofit.training import RetrofitModule
+
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as started from an interactive shell, whoever ran us
 
 def ctrl_c(self, batch, batch_idx):
     if self.global_step == 2:
