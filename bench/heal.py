@@ -10,6 +10,8 @@ adapter after with `python -m bench.measure RUNS/VARIANT/adapter` (the pruned re
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import inspect
 import json
 import os
 import time
@@ -39,12 +41,35 @@ def build_parser() -> argparse.ArgumentParser:
                         help="default: bf16-mixed where the device has fast bf16 kernels, else 32-true")
     parser.add_argument("--seed", type=int, default=0, help="seeds the training stream and the LoRA initialisation")
     parser.add_argument("--runs", default=str(RUNS), help="the adapter goes to RUNS/VARIANT/adapter")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="replaces one of the variant's RetrofitModule arguments (VALUE read as JSON, else as "
+                             "text), e.g. --set replacement_epochs=8; repeatable. The train_info.json records them")
     return parser
+
+
+def module_overrides(pairs: list[str]) -> dict[str, object]:
+    """`--set KEY=VALUE` pairs as RetrofitModule arguments; a key it does not take is refused by name."""
+    from vlm_retrofit.training import RetrofitModule
+
+    accepted = set(inspect.signature(RetrofitModule.__init__).parameters) - {"self"}
+    overrides: dict[str, object] = {}
+    for pair in pairs:
+        key, sep, text = pair.partition("=")
+        if not sep or key not in accepted:
+            raise SystemExit(f"bench.heal: --set {pair!r} names no RetrofitModule argument; give KEY=VALUE with KEY "
+                             f"one of {sorted(accepted)}")
+        try:
+            overrides[key] = json.loads(text)
+        except json.JSONDecodeError:
+            overrides[key] = text
+    return overrides
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     variant = selected_variants([args.variant])[0]
+    overrides = module_overrides(args.overrides)
+    variant = dataclasses.replace(variant, module={**variant.module, **overrides})
     if not variant.fixed_removal:
         raise SystemExit(f"bench.heal: {args.variant} trains a removal schedule (prefixes of an order), not a fixed "
                          "removal; train it with `python -m bench.run --variants` instead")
@@ -74,6 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     info = train_variant(variant, backbone, shards, args.train_minutes, args.batch_size, removal=removal,
                          runs=Path(args.runs), device=args.device, dtype=dtype, precision=precision,
                          num_workers=args.num_workers, lr_scale=args.lr_scale, decay_over="budget", seed=args.seed)
+    if overrides:
+        info["overrides"] = overrides
+        (out / "train_info.json").write_text(json.dumps(info, indent=2))
     print(f"[{time.time() - started:7.1f}s] trained: {json.dumps(info)}", flush=True)
     return 0
 

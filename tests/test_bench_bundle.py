@@ -1,6 +1,7 @@
 """bench/bundle.py: parts round trip and refuse damage; pack -> unpack rebuilds a model tensor for tensor; real assets opt-in."""
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -179,9 +180,10 @@ def test_real_assets_survive_the_bundle(tmp_path, monkeypatch):
         assert torch.equal(model(input_ids=ids).logits, reference(input_ids=ids).logits)
 
 
-def _script_commands(script: Path, module: str) -> list[list[str]]:
+def _script_commands(script: Path, module: str, variables: dict[str, str] | None = None) -> list[list[str]]:
     """The arguments of every `"$PY" -m <module> ...` call in a shell script (continuation lines joined; `"$@"`
-    dropped, any other shell variable read as the loop value 1; cut at `;`, a pipe or a redirection)."""
+    dropped, a shell variable named in `variables` read as its value there and any other as the loop value 1; cut
+    at `;`, a pipe or a redirection)."""
     import re
     import shlex
 
@@ -191,7 +193,7 @@ def _script_commands(script: Path, module: str) -> list[list[str]]:
         marker = f'"$PY" -m {module} '
         if marker in line:
             words = shlex.split(re.split(r";|\||\s2>&1", line.split(marker, 1)[1])[0])
-            calls.append(["1" if w.startswith("$") else w for w in words if w != "$@"])
+            calls.append([(variables or {}).get(w[1:], "1") if w.startswith("$") else w for w in words if w != "$@"])
     return calls
 
 
@@ -214,10 +216,15 @@ def test_gpu_heal_script_passes_only_arguments_its_commands_accept():
     from bench import heal, measure
 
     script = ROOT / "bench" / "gpu_heal.sh"
-    (train,), (read,) = _script_commands(script, "bench.heal"), _script_commands(script, "bench.measure")
-    args = heal.build_parser().parse_args(train)
-    assert args.variant == "lora_mlp_span" and args.device == "cuda" and args.removal == [13, 14, 15, 16, 17, 18]
+    default = re.search(r'variant="\$\{VARIANT:-(\w+)\}"', script.read_text())
+    assert default and default.group(1) == "lora_mlp_span"
+    for variant in ("lora_mlp_span", "lora_mlp_span_layer"):  # the default and the one its usage line names
+        (train,) = _script_commands(script, "bench.heal", {"variant": variant})
+        args = heal.build_parser().parse_args(train)
+        assert args.variant == variant and args.device == "cuda" and args.removal == [13, 14, 15, 16, 17, 18]
+    assert f"VARIANT={variant} bench/gpu_heal.sh" in script.read_text()
     assert "--seed" in train  # SEED reaches the training stream and the LoRA initialisation
+    (read,) = _script_commands(script, "bench.measure")
     read_args = measure.build_parser().parse_args(read)
     assert read_args.device == "cuda" and read_args.dtype == "bfloat16" and read_args.eval_split == "test"
     # Both scripts share one setup (CUDA check, bundle unpack, project install).
@@ -238,7 +245,18 @@ def test_heal_refuses_a_schedule_variant_and_a_trained_folder_before_loading_any
     (tmp_path / "lora_mlp_span" / "train_info.json").write_text("{}")
     with pytest.raises(SystemExit, match="already holds a trained adapter; delete the folder"):
         heal.main(["lora_mlp_span", "--removal", "13", "14", "--runs", str(tmp_path)])
+    with pytest.raises(SystemExit, match="--set 'replacement_passes=8' names no RetrofitModule argument"):
+        heal.main(["lora_mlp_span_layer", "--removal", "13", "--set", "replacement_passes=8", "--runs", str(tmp_path)])
     with pytest.raises(SystemExit, match="names a layer twice"):
         heal.main(["lora_mlp_span", "--removal", "13", "13", "--runs", str(tmp_path / "other")])
     with pytest.raises(SystemExit):  # not a static variant: argparse's choices refuse it
         heal.main(["gate", "--removal", "13"])
+
+
+def test_heal_set_reads_json_values_and_text():
+    from bench import heal
+
+    assert heal.module_overrides(["replacement_epochs=8", "replacement_lr=1e-3", "replacement=layer"]) == {
+        "replacement_epochs": 8, "replacement_lr": 1e-3, "replacement": "layer"}
+    with pytest.raises(SystemExit, match="give KEY=VALUE"):
+        heal.module_overrides(["replacement_epochs"])
