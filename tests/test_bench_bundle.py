@@ -184,7 +184,6 @@ def _script_commands(script: Path, module: str, variables: dict[str, str] | None
     """The arguments of every `"$PY" -m <module> ...` call in a shell script (continuation lines joined; `"$@"`
     dropped, a shell variable named in `variables` read as its value there and any other as the loop value 1; cut
     at `;`, a pipe or a redirection)."""
-    import re
     import shlex
 
     text = script.read_text().replace("\\\n", " ")
