@@ -368,9 +368,9 @@ def test_adapters_trained_otherwise_are_found_before_any_work(tmp_path):
         info = {"steps": 3, "removal_order": None, **expected[variant.name]}
         (tmp_path / variant.name / "train_info.json").write_text(json.dumps(info))
     assert stale_runs(variants, tmp_path, expected) == []
-    orders["joint"] = [1, 3, 2]  # the joint order searched again
+    orders["joint"] = [2, 1, 3]  # the joint order searched again, picking other blocks
     stale = stale_runs(variants, tmp_path, {v.name: removal_settings(v, orders, 3, 2) for v in variants})
-    assert len(stale) == 1 and "lora_mlp_joint_plain" in stale[0] and "[1, 3, 2]" in stale[0]
+    assert len(stale) == 1 and "lora_mlp_joint_plain" in stale[0] and "[2, 1, 3]" in stale[0]
     # Gates pulled to a compute target that counted every position (before it counted real text only) are stale.
     keys = {v.name: training_key(v, expected[v.name]) for v in variants}
     assert keys["gate"] == {"compute_counted_on": "real text positions", "skip_image_positions": False}
@@ -389,6 +389,67 @@ def test_adapters_trained_otherwise_are_found_before_any_work(tmp_path):
     stale = stale_runs(variants, tmp_path, budget)
     assert sorted(line.split(": ")[0].rsplit("/", 1)[-1] for line in stale) == ["gate", "lora_mlp_joint_plain",
                                                                               "lora_mlp_span"]
+
+
+def test_a_fixed_removal_reused_whatever_order_lists_its_blocks(tmp_path):
+    from bench.run import removal_settings, stale_runs, training_key
+
+    variants = selected_variants(["lora_mlp_span_layer", "routed_static"])
+    orders = {"impact": [4, 2, 3, 1], "joint": [3, 1, 2, 4], "span": [3, 2, 1, 4]}
+    keys = {v.name: training_key(v, removal_settings(v, orders, 3, 2), "budget") for v in variants}
+    assert keys["lora_mlp_span_layer"]["removal_order"] == [3, 2, 1, 4]  # the first 2 are removed at every step
+
+    def recorded(name, order, most, fewest):
+        (tmp_path / name).mkdir(exist_ok=True)
+        info = {"removal_order": order, "max_removed_blocks": most, "min_removed_blocks": fewest,
+                "decay_over": "budget"}
+        (tmp_path / name / "train_info.json").write_text(json.dumps(info))
+
+    recorded("lora_mlp_span_layer", [2, 3], 2, 2)  # as `bench.heal --removal 2 3` records the same two layers
+    recorded("routed_static", [4, 2, 3, 1], 3, 0)
+    assert stale_runs(variants, tmp_path, keys) == []
+    recorded("lora_mlp_span_layer", [1, 3], 2, 2)  # other layers
+    assert [line.split(":")[0].rsplit("/", 1)[-1] for line in stale_runs(variants, tmp_path, keys)] == [
+        "lora_mlp_span_layer"]
+    recorded("lora_mlp_span_layer", [2], 2, 2)  # fewer layers listed than it claims to remove
+    assert len(stale_runs(variants, tmp_path, keys)) == 1
+    recorded("lora_mlp_span_layer", [2, 3], 2, 2)
+    recorded("routed_static", [2, 4, 3, 1], 3, 0)  # a schedule of prefixes: the order is what it trained
+    assert [line.split(":")[0].rsplit("/", 1)[-1] for line in stale_runs(variants, tmp_path, keys)] == [
+        "routed_static"]
+
+
+def test_train_only_trains_every_variant_for_its_own_removal_and_measures_nothing(monkeypatch, tmp_path):
+    import types
+
+    import bench.data
+    import bench.real_vlm
+    from bench import run
+
+    config = types.SimpleNamespace(get_text_config=lambda: types.SimpleNamespace(num_hidden_layers=30))
+    monkeypatch.setattr(bench.data, "write_bench_shards", lambda: {"root": "shards"})
+    monkeypatch.setattr(bench.real_vlm, "build_real_vlm", lambda: "vlm")
+    monkeypatch.setattr(run, "CACHE", tmp_path / "cache")
+    monkeypatch.setattr(run, "training_shards", lambda manifest: {})
+    monkeypatch.setattr(run, "load_for_measuring", lambda args, manifest: (
+        types.SimpleNamespace(config=config), None, types.SimpleNamespace(calibration=[]), None))
+    monkeypatch.setattr(run, "search_key", lambda model, calibration: {})
+    impact = [20, 13, 14, 26, 15, 16, 17, 18, 25, 24, 12]
+    monkeypatch.setattr(run, "rank_blocks", lambda *a, **k: impact)
+    monkeypatch.setattr(run, "joint_removal_order", lambda *a, **k: impact[:9])
+    monkeypatch.setattr(run, "span_removal_order", lambda *a, **k: [14, 16, 13, 15, 17, 18, 26, 25, 24])
+    trained = {}
+    monkeypatch.setattr(run, "train_variant", lambda variant, *a, removal, **k: trained.update(
+        {variant.name: removal}) or {"steps": 1})
+    monkeypatch.setattr(run, "Bench", lambda *a, **k: pytest.fail("--train-only measured"))
+    names = ["lora_mlp_span_layer_t10", "lora_mlp_span_layer", "lora_mlp_span_layer_t30", "gate"]
+    assert run.main(["--train-only", "--variants", *names, "--runs", str(tmp_path / "runs"),
+                     "--out", str(tmp_path / "out")]) == 0
+    assert list(trained) == names
+    assert {name: trained[name].get("max_removed_blocks") for name in names} == {
+        "lora_mlp_span_layer_t10": 3, "lora_mlp_span_layer": 6, "lora_mlp_span_layer_t30": 9, "gate": None}
+    assert trained["lora_mlp_span_layer_t10"]["removal_order"][:3] == [14, 16, 13]
+    assert not (tmp_path / "out" / "results.json").exists()
 
 
 def test_one_adapter_per_operating_point_trains_and_is_measured_at_its_own_target(monkeypatch):
