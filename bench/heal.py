@@ -98,10 +98,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.removal}, batch {args.batch_size}, lr x{args.lr_scale}, {precision}", flush=True)
     info = train_variant(variant, backbone, shards, args.train_minutes, args.batch_size, removal=removal,
                          runs=Path(args.runs), device=args.device, dtype=dtype, precision=precision,
-                         num_workers=args.num_workers, lr_scale=args.lr_scale, decay_over="budget", seed=args.seed)
-    if overrides:
-        info["overrides"] = overrides
-        (out / "train_info.json").write_text(json.dumps(info, indent=2))
+                         num_workers=args.num_workers, lr_scale=args.lr_scale, decay_over="budget", seed=args.seed,
+                         recorded={"overrides": overrides} if overrides else None)
     print(f"[{time.time() - started:7.1f}s] trained: {json.dumps(info)}", flush=True)
     return 0
 

@@ -351,13 +351,15 @@ class BudgetDecay(BudgetStop):
 def train_variant(variant: Variant, backbone: str, shards: dict[str, Any], minutes: float, batch_size: int, *,
                   removal: dict[str, Any], runs: Path = RUNS, device: str = "cpu",
                   dtype: str | None = None, precision: str = "32-true", num_workers: int = 1,
-                  lr_scale: float = 1.0, decay_over: str = "steps", seed: int = 0) -> dict:
+                  lr_scale: float = 1.0, decay_over: str = "steps", seed: int = 0,
+                  recorded: dict[str, Any] | None = None) -> dict:
     """Distil one router variant within a wall-clock budget; the adapter lands in RUNS/<name>/adapter.
 
     Variants evaluated with the static policy train under the removal schedule `removal` (`removal_settings`). A
     variant with a step count decays its learning rate over them (`decay_over="steps"`) or over the budget's wall
     clock (`"budget"`: as many steps as the budget holds, `BudgetDecay`). `seed` seeds the training stream (the
-    caller seeds torch for the trained weights' initialisation).
+    caller seeds torch for the trained weights' initialisation). `recorded` goes into train_info.json beside what
+    the run measured (e.g. `bench.heal --set`'s overrides).
     """
     from vlm_retrofit.datamodules import WebDatasetDataModule
     from vlm_retrofit.training import RetrofitModule
@@ -429,7 +431,8 @@ def train_variant(variant: Variant, backbone: str, shards: dict[str, Any], minut
             # Mean training KL per tenth of the run (the removal prefix is random per step: read the trend).
             "kl_curve": [sum(part) / len(part) for part in (kl_curve[i * len(kl_curve) // 10:(i + 1) * len(kl_curve) // 10]
                                                            for i in range(10)) if part],
-            "final_metrics": {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}}
+            "final_metrics": {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1},
+            **(recorded or {})}
     info_path.write_text(json.dumps(info, indent=2))
     return info
 

@@ -217,12 +217,12 @@ def test_gpu_heal_script_passes_only_arguments_its_commands_accept():
     script = ROOT / "bench" / "gpu_heal.sh"
     default = re.search(r'variant="\$\{VARIANT:-(\w+)\}"', script.read_text())
     assert default and default.group(1) == "lora_mlp_span"
+    assert "VARIANT=lora_mlp_span_layer bench/gpu_heal.sh" in script.read_text()  # its usage line
     for variant in ("lora_mlp_span", "lora_mlp_span_layer"):  # the default and the one its usage line names
         (train,) = _script_commands(script, "bench.heal", {"variant": variant})
         args = heal.build_parser().parse_args(train)
         assert args.variant == variant and args.device == "cuda" and args.removal == [13, 14, 15, 16, 17, 18]
-    assert f"VARIANT={variant} bench/gpu_heal.sh" in script.read_text()
-    assert "--seed" in train  # SEED reaches the training stream and the LoRA initialisation
+        assert "--seed" in train  # SEED reaches the training stream and the LoRA initialisation
     (read,) = _script_commands(script, "bench.measure")
     read_args = measure.build_parser().parse_args(read)
     assert read_args.device == "cuda" and read_args.dtype == "bfloat16" and read_args.eval_split == "test"
@@ -250,6 +250,24 @@ def test_heal_refuses_a_schedule_variant_and_a_trained_folder_before_loading_any
         heal.main(["lora_mlp_span", "--removal", "13", "13", "--runs", str(tmp_path / "other")])
     with pytest.raises(SystemExit):  # not a static variant: argparse's choices refuse it
         heal.main(["gate", "--removal", "13"])
+
+
+def test_heal_trains_the_variant_with_its_overrides_and_records_them(tmp_path, monkeypatch):
+    from bench import data, heal, real_vlm, run
+
+    monkeypatch.setattr(data, "write_bench_shards", lambda: {})
+    monkeypatch.setattr(real_vlm, "build_real_vlm", lambda: "vlm")
+    monkeypatch.setattr(run, "training_shards", lambda manifest: {})
+    calls = []
+    monkeypatch.setattr(run, "train_variant", lambda variant, *a, **k: calls.append((variant, k)) or {"steps": 1})
+    assert heal.main(["lora_mlp_span_layer", "--removal", "14", "13", "--set", "replacement_epochs=12",
+                      "--seed", "3", "--runs", str(tmp_path)]) == 0
+    variant, settings = calls[0]
+    assert variant.module["replacement_epochs"] == 12 and variant.module["lr"] == run.LAYER_HEALING["lr"]
+    assert settings["recorded"] == {"overrides": {"replacement_epochs": 12}} and settings["seed"] == 3
+    assert settings["removal"] == {"removal_order": [14, 13], "max_removed_blocks": 2, "min_removed_blocks": 2}
+    assert heal.main(["lora_mlp_span", "--removal", "13", "--runs", str(tmp_path)]) == 0
+    assert calls[1][1]["recorded"] is None  # nothing overridden, nothing added
 
 
 def test_heal_set_reads_json_values_and_text():

@@ -1,5 +1,6 @@
 """Trainable-only checkpoints, resume continuity, killed runs, and refusal of a checkpoint for another base."""
 
+import contextlib
 import json
 import os
 import re
@@ -228,9 +229,17 @@ def sigint_as_at_a_terminal():
     """Python's Ctrl-C handler, as an interactive shell starts it: a job launched in the background by a
     non-interactive shell starts with SIGINT ignored, which the run rightly leaves alone (and the Ctrl-C tests then
     ran to the end)."""
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    yield
-    signal.signal(signal.SIGINT, previous)
+    with _sigint_handled_by(signal.default_int_handler):
+        yield
+
+
+@contextlib.contextmanager
+def _sigint_handled_by(handler):
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _ctrl_c_at(step):
@@ -255,14 +264,10 @@ def test_a_run_stopped_by_ctrl_c_saves_the_step_it_stopped_at_and_resumes_exactl
 
 def test_a_run_started_with_sigint_ignored_leaves_it_ignored(tmp_path, monkeypatch):
     # A background job of a non-interactive shell: Python itself leaves SIGINT ignored there, and so does the run.
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        with monkeypatch.context() as patch:
-            patch.setattr(RetrofitModule, "on_train_batch_start", _ctrl_c_at(1), raising=False)
-            assert _fit(tmp_path, steps=3) == 0  # the signal changed nothing: all steps ran, adapter exported
+    with _sigint_handled_by(signal.SIG_IGN), monkeypatch.context() as patch:
+        patch.setattr(RetrofitModule, "on_train_batch_start", _ctrl_c_at(1), raising=False)
+        assert _fit(tmp_path, steps=3) == 0  # the signal changed nothing: all steps ran, adapter exported
         assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
-    finally:
-        signal.signal(signal.SIGINT, previous)
     assert inspect_checkpoint(tmp_path / "checkpoints" / "last.ckpt")["global_step"] == 3
     assert (tmp_path / "adapter").exists()
 
