@@ -42,6 +42,14 @@ def _recipe(info: dict[str, Any]) -> str:
         parts.append(f"compute target counted on {info['compute_counted_on']}")
     if info.get("max_removed_blocks"):
         parts.append(f"removal schedule k = {info.get('min_removed_blocks', 0)}..{info['max_removed_blocks']}")
+    if info.get("replacement_fit_seconds") is not None:
+        how = info.get("replacement") or {}
+        detail = (f" ({how['replacement_batches']} batches, {how['replacement_epochs']} passes)"
+                  if how.get("replacement") == "layer" else "")
+        parts.append(f"{how.get('replacement', 'the')} replacement fitted first{detail}: "
+                     f"{info['replacement_fit_seconds'] / 60:.1f} min of the budget")
+    if info.get("overrides"):
+        parts.append("overridden: " + ", ".join(f"{k}={v}" for k, v in info["overrides"].items()))
     return f"; {', '.join(parts)}" if parts else ""
 
 

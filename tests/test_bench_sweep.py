@@ -209,7 +209,12 @@ def test_report_writes_json_markdown_and_plot(tmp_path):
                             "plain": {"steps": 3, "minutes": 1.0, "step_seconds": 2.0, "batch_size": 4,
                                       "peak_rss_mb": 100.0, "lr": 2e-3, "schedule": "cosine to 0.1x over 3 steps",
                                       "fit_seconds": 48.0,
-                                      "query_lr_scale": 0.04, "train_routers": False}},
+                                      "query_lr_scale": 0.04, "train_routers": False},
+                            "layer": {"steps": 3, "minutes": 1.0, "step_seconds": 2.0, "batch_size": 4,
+                                      "peak_rss_mb": 100.0, "replacement_fit_seconds": 24.0,
+                                      "replacement": {"replacement": "layer", "replacement_batches": 192,
+                                                      "replacement_epochs": 8, "replacement_lr": 2e-3},
+                                      "overrides": {"replacement_epochs": 8}}},
                "records": [record, kept]}
     out = tmp_path / "new" / "folder"  # a folder that does not exist yet is created, not a lost report
     write_report(results, out)
@@ -222,6 +227,8 @@ def test_report_writes_json_markdown_and_plot(tmp_path):
     assert "lr 0.002, queries at 0.04x lr, removal schedule k = 6..9" in table
     assert "lr 0.002 (cosine to 0.1x over 3 steps), routers off (identity, untrained): LoRA only" in table
     assert "`plain`: 3 steps in 0.8 of 1 min" in table and "`routed`: 3 steps in 1.0 min" in table
+    assert ("layer replacement fitted first (192 batches, 8 passes): 0.4 min of the budget, "
+            "overridden: replacement_epochs=8") in table
     assert (out / "pareto.png").stat().st_size > 0
     # Measurements written by hand below the marker survive the next run's report; the analysis above it is the run's.
     by_hand = "\n\n## Measured between runs\n\nA probe.\n"
