@@ -81,6 +81,20 @@ def test_layer_costs_are_measured_from_each_layers_weights(family):
         assert not conv.attends and conv.attention(5, 40) == 0
         assert conv.dense == 2 * d * 3 * d + 2 * d * d + 2 * d * text.conv_L_cache + mlp
         assert [c.dense for i, c in enumerate(measured) if i != 1] == [attention + mlp] * 5
+    elif family == "qwen3_5_moe":  # qwen3_5's layers; a router [4, 64], 4 experts of width 32 (2 per token), and a
+        # shared expert of width 32 with its gate [1, 64]. The config formula's MLP is the width a token runs: 2 x 32 + 32.
+        delta_net = 2 * d * 64 + 2 * d * 32 + 2 * 2 * d * 4 + 2 * 32 * d + 2 * 64 * 4
+        moe = 2 * 4 * d + 3 * 2 * d * 32 * 4 * 2 // 4 + 3 * 2 * d * 32 + 2 * d
+        assert [c.dense for c in measured] == [delta_net + moe if i == 1 else attention + 2 * d * 64 + moe
+                                               for i in range(6)]
+        assert {c.dense for c in from_config} == {attention + 3 * 2 * d * (2 * 32 + 32)}
+    elif family == "qwen3_5":  # layer 1 is a Gated DeltaNet; the attention layers' q_proj doubles as a gate
+        # Keys 2 x 8, values 4 x 8: in_proj_qkv 64 -> 64, in_proj_z 64 -> 32, in_proj_b / _a 64 -> 4 each,
+        # out_proj 32 -> 64, a depthwise kernel of 4 over the 64 q, k, v channels.
+        delta_net = 2 * d * 64 + 2 * d * 32 + 2 * 2 * d * 4 + 2 * 32 * d + 2 * 64 * 4
+        assert [c.dense for c in measured] == [delta_net + mlp if i == 1 else attention + 2 * d * 64 + mlp
+                                               for i in range(6)]
+        assert [c.attends for c in measured] == [i != 1 for i in range(6)]
     else:  # a dense layer: the measured cost is the config formula's
         assert [c.dense for c in measured] == [c.dense for c in from_config] == [attention + mlp] * 6
         assert all(c.attends for c in measured)
@@ -98,3 +112,15 @@ def test_a_peft_wrapped_layer_costs_what_its_backbone_layer_does():
     plain = [weight_flops(layer, text) for layer in resolve(model).get_layers(model)]
     wrapped = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], modules_to_save=["down_proj"]))
     assert [weight_flops(layer, text) for layer in resolve(wrapped).get_layers(wrapped)] == plain
+
+
+def test_a_mixture_without_an_intermediate_size_counts_the_width_a_token_runs():
+    from types import SimpleNamespace
+
+    dims = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    moe = SimpleNamespace(**dims, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                          shared_expert_intermediate_size=48)
+    assert LayerCost.from_config(moe).intermediate_size == 2 * 32 + 48
+    assert LayerCost.from_config(SimpleNamespace(**dims, intermediate_size=128)).intermediate_size == 128
+    with pytest.raises(ValueError, match="declares no MLP width"):
+        LayerCost.from_config(SimpleNamespace(**dims))

@@ -75,11 +75,14 @@ def test_layers_removed_in_context_equals_static_removal_with_routers_at_init_wi
     assert torch.equal(deleted_tokens, static_tokens)
 
 
-def test_lfm2_vl_prunes_attention_layers_between_its_convolution_layers(tmp_path):
-    """LFM2's convolution layers never skip (they have no kv-only path), but nothing is injected at their index: the
-    attention layers between them prune, and the convolution layers after them take their new numbers (the slots of
-    their conv states in the hybrid cache) and layer types."""
-    model, processor = tiny_vlm("lfm2_vl", num_hidden_layers=6, layer_types=["full_attention", "conv"] * 3)
+@pytest.mark.parametrize("family, kind, mixer", [("lfm2_vl", "conv", "conv"),
+                                                 ("qwen3_5", "linear_attention", "linear_attn")])
+def test_a_hybrid_prunes_attention_layers_between_its_recurrent_layers(tmp_path, family, kind, mixer):
+    """A hybrid's layers without attention (LFM2's convolutions, Qwen3.5's Gated DeltaNets) never skip (they have
+    no kv-only path), but nothing is injected at their index: the attention layers between them prune, and the
+    recurrent layers after them take their new numbers (the slots of their states in the hybrid cache) and layer
+    types."""
+    model, processor = tiny_vlm(family, num_hidden_layers=6, layer_types=["full_attention", kind] * 3)
     inputs = tiny_inputs(processor)
     adapter = attach_routers(model, RouterConfig(block_size=1))
     assert adapter.layout.skippable_blocks == (2, 4)
@@ -91,12 +94,12 @@ def test_lfm2_vl_prunes_attention_layers_between_its_convolution_layers(tmp_path
     with torch.no_grad(), layers_removed(model, spec, [2, 4]):
         torch.testing.assert_close(_real_logits(model, inputs), expected, atol=1e-5, rtol=0)
         assert torch.equal(model.generate(**inputs, max_new_tokens=5, do_sample=False), expected_tokens)
-    assert [layer.conv.layer_idx for layer in spec.get_layers(model)[1::2]] == [1, 3, 5]  # restored
-    assert model.config.get_text_config().layer_types == ["full_attention", "conv"] * 3
+    assert [getattr(layer, mixer).layer_idx for layer in spec.get_layers(model)[1::2]] == [1, 3, 5]  # restored
+    assert model.config.get_text_config().layer_types == ["full_attention", kind] * 3
 
     assert prune_layers(model, spec, [2, 4]) == [2, 4]
-    assert model.config.get_text_config().layer_types == ["full_attention", "conv", "conv", "conv"]
-    assert [layer.conv.layer_idx for layer in spec.get_layers(model)[1:]] == [1, 2, 3]
+    assert model.config.get_text_config().layer_types == ["full_attention", kind, kind, kind]
+    assert [getattr(layer, mixer).layer_idx for layer in spec.get_layers(model)[1:]] == [1, 2, 3]
     torch.testing.assert_close(_real_logits(model, inputs), expected, atol=1e-5, rtol=0)
     with torch.no_grad():
         assert torch.equal(model.generate(**inputs, max_new_tokens=5, do_sample=False), expected_tokens)

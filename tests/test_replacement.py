@@ -12,7 +12,7 @@ from vlm_retrofit.replacement import (check_replacements, fit_replacements, fold
                                       replaced_layers, replacements_applied, replacements_folded)
 from vlm_retrofit.testing import FAMILIES, tiny_inputs, tiny_vlm
 
-FOLDABLE = [f for f in FAMILIES if f not in ("gemma3", "glm4v", "qwen3_vl_moe")]  # normed MLP output; experts
+FOLDABLE = [f for f in FAMILIES if f not in ("gemma3", "glm4v", "qwen3_vl_moe", "qwen3_5_moe")]  # normed MLP output; experts
 REMOVED = [2, 4, 5]  # two spans in a 7-layer decoder: [2] folded into layer 1, [4, 5] into layer 3
 
 
@@ -88,7 +88,8 @@ def test_nothing_removed_fits_nothing():
 
 @pytest.mark.parametrize("family, why", [("gemma3", "normalise their MLP output"),
                                          ("glm4v", r"normalise their MLP output .*\(post_mlp_layernorm\)"),
-                                         ("qwen3_vl_moe", "no single linear layer")])  # experts
+                                         ("qwen3_vl_moe", "no single linear layer"),  # experts
+                                         ("qwen3_5_moe", "no single linear layer")])  # experts and a shared one
 def test_unfoldable_families_refused_before_any_work(family, why):
     model, processor = tiny_vlm(family, num_hidden_layers=7)
     with pytest.raises(ValueError, match=why):

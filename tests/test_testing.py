@@ -21,7 +21,7 @@ def _vocab(model):
 
 
 def test_families_are_model_types():
-    assert len(FAMILIES) == 19 and len(set(FAMILIES)) == 19
+    assert len(FAMILIES) == 21 and len(set(FAMILIES)) == 21
     assert FAMILIES[-2:] == ("llama", "qwen2")
 
 

@@ -40,6 +40,8 @@ FAMILIES: tuple[str, ...] = (
     "glm4v",
     "lfm2_vl",
     "perception_lm",
+    "qwen3_5",
+    "qwen3_5_moe",
     "llama",
     "qwen2",
 )
@@ -172,6 +174,43 @@ def _lfm2_text(kw: dict, overrides: dict) -> None:
     MLP as wide as asked (LFM2 would shrink it to 2/3 and round it up to a multiple of 256)."""
     kw.setdefault("layer_types", ["conv" if i % 6 == 1 else "full_attention" for i in range(kw["num_hidden_layers"])])
     kw.setdefault("block_auto_adjust_ff_dim", False)
+
+
+def _qwen3_5_text(kw: dict, overrides: dict) -> None:
+    """Text-config fix: interleaved M-RoPE over half of each head (Qwen3.5 rotates a quarter; half keeps every
+    section non-empty at head_dim 16); a Gated DeltaNet layer (linear attention: a recurrent state in the hybrid
+    cache) second in every six, full attention in the others, as `_lfm2_text` places its convolutions (a 6-layer
+    model's layers 2-5 can skip; Qwen3.5 has three linear layers to one full); 2 tiny key heads and 4 value heads in
+    the linear layers."""
+    _mrope(True, partial=0.5)(kw, overrides)
+    kw.setdefault("layer_types", ["linear_attention" if i % 6 == 1 else "full_attention"
+                                  for i in range(kw["num_hidden_layers"])])
+    kw.setdefault("linear_key_head_dim", 8)
+    kw.setdefault("linear_value_head_dim", 8)
+    kw.setdefault("linear_num_key_heads", 2)
+    kw.setdefault("linear_num_value_heads", 4)
+
+
+def _qwen3_5_moe_text(kw: dict, overrides: dict) -> None:
+    """Text-config fix: `_qwen3_5_text`'s layers with a mixture of experts as every MLP: 4 tiny experts, 2 of them
+    per token, beside a shared expert."""
+    _qwen3_5_text(kw, overrides)
+    kw.setdefault("num_experts", 4)
+    kw.setdefault("num_experts_per_tok", 2)
+    kw.setdefault("moe_intermediate_size", 32)
+    kw.setdefault("shared_expert_intermediate_size", 32)
+
+
+def _qwen3_5_config(cfg_cls: str):
+    def build(text, tok, proc):
+        vision = dict(depth=2, num_heads=2, patch_size=16, spatial_merge_size=2, temporal_patch_size=2, in_channels=3,
+                      hidden_size=32, intermediate_size=64, out_hidden_size=text.hidden_size,
+                      num_position_embeddings=64)
+        ids = _ids(tok, image_token_id="<|image_pad|>", video_token_id="<|video_pad|>",
+                   vision_start_token_id="<|vision_start|>", vision_end_token_id="<|vision_end|>")
+        return getattr(tf, cfg_cls)(text_config=text, vision_config=vision, **ids)
+
+    return build
 
 
 def _full_attention(kw: dict, overrides: dict) -> None:
@@ -522,6 +561,15 @@ _SPECS: dict[str, _Family] = {
                        bos="<|begin_of_text|>"),
         ("<|start_header_id|>", "<|end_header_id|>"),
         processor=_perception_lm_processor, config=_perception_lm_config),
+    # Qwen3.5: Qwen3-VL's vision side and prompts; its text mixes Gated DeltaNet and gated full-attention layers.
+    "qwen3_5": _Family(
+        "Qwen3_5ForConditionalGeneration", "Qwen3_5TextConfig", _QWEN_TOKENS, _QWEN_TEMPLATE, _IM_START,
+        processor=_qwen_processor("Qwen3VLProcessor", "Qwen3VLVideoProcessor", 16),
+        config=_qwen3_5_config("Qwen3_5Config"), text_fix=_qwen3_5_text),
+    "qwen3_5_moe": _Family(  # Qwen3.5 with a mixture-of-experts MLP (and a shared expert) in every layer
+        "Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeTextConfig", _QWEN_TOKENS, _QWEN_TEMPLATE, _IM_START,
+        processor=_qwen_processor("Qwen3VLProcessor", "Qwen3VLVideoProcessor", 16),
+        config=_qwen3_5_config("Qwen3_5MoeConfig"), text_fix=_qwen3_5_moe_text),
     "llama": _Family(
         "LlamaForCausalLM", "LlamaConfig",
         dict(bos_token="<|begin_of_text|>", eos_token="<|eot_id|>", pad_token="<|finetune_pad|>"),

@@ -15,15 +15,28 @@ def _qwen3_vl_deepstack_layers(config: Any) -> Sequence[int]:
     return tuple(range(len(config.vision_config.deepstack_visual_indexes or ())))
 
 
-def _lfm2_conv_layers(config: Any) -> Sequence[int]:
-    # LFM2's short-convolution layers have no attention, so no kv-only path: they always run.
-    return tuple(i for i, kind in enumerate(config.get_text_config().layer_types) if kind == "conv")
+def _layers_of_type(layer_type: str):
+    """`never_skip_layers` of the layers whose `layer_types` entry is `layer_type`: a hybrid family's layers without
+    attention (LFM2's short convolutions, Qwen3.5's Gated DeltaNet) keep a recurrent state in the cache, not keys and
+    values, so there is no kv-only path for a skipped token: they always run."""
+
+    def layers(config: Any) -> Sequence[int]:
+        return tuple(i for i, kind in enumerate(config.get_text_config().layer_types) if kind == layer_type)
+
+    return layers
 
 
 def _glm4v_rotary(q, k, cos, sin, *args: Any, **kwargs: Any):
     # GLM-4.1V's own: it rotates the first cos.shape[-1] channels of each head (pairing adjacent ones) and passes the
     # rest through. Imported when a layer skips, so that registering the family does not load its modeling module.
     from transformers.models.glm4v.modeling_glm4v import apply_rotary_pos_emb
+
+    return apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs)
+
+
+def _qwen3_5_rotary(q, k, cos, sin, *args: Any, **kwargs: Any):
+    # Qwen3.5's own: it rotates the first cos.shape[-1] channels of each head (a quarter) and passes the rest through.
+    from transformers.models.qwen3_5.modeling_qwen3_5 import apply_rotary_pos_emb
 
     return apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs)
 
@@ -65,5 +78,15 @@ register_backbone("glm4v", BackboneSpec(rotary_fn=_glm4v_rotary, mlp_output_attr
 # `operator_norm`, then `feed_forward` (w2 adds its output unchanged) after `ffn_norm`; the attention normalises each
 # key head (`k_layernorm`), and the decoder's final norm is called `embedding_norm`. The convolution layers never skip.
 register_backbone("lfm2_vl", BackboneSpec(final_norm_attr="embedding_norm", input_norm_attr="operator_norm",
-                                          k_norm_attr="k_layernorm", never_skip_layers=_lfm2_conv_layers,
+                                          k_norm_attr="k_layernorm", never_skip_layers=_layers_of_type("conv"),
                                           mlp_output_attr="feed_forward.w2"))
+# Qwen3.5: three Gated DeltaNet layers (linear attention, `linear_attn`) to one full-attention layer, which gates
+# its output per channel (q_proj's second half) and rotates a quarter of each head after a per-head key norm, as its
+# own apply_rotary_pos_emb does. The linear-attention layers never skip.
+register_backbone("qwen3_5", BackboneSpec(rotary_fn=_qwen3_5_rotary,
+                                          never_skip_layers=_layers_of_type("linear_attention")))
+# Qwen3.5-MoE: the same layers with a mixture of experts (and a shared expert) as each MLP: no single linear layer
+# adds the MLP's output to the stream.
+register_backbone("qwen3_5_moe", BackboneSpec(rotary_fn=_qwen3_5_rotary,
+                                              never_skip_layers=_layers_of_type("linear_attention"),
+                                              mlp_output_attr=None))

@@ -36,7 +36,7 @@ class LayerCost:
             num_heads=heads,
             num_kv_heads=int(getattr(text_config, "num_key_value_heads", None) or heads),
             head_dim=int(head_dim),
-            intermediate_size=int(text_config.intermediate_size),
+            intermediate_size=_mlp_width(text_config),
             sliding_window=None if layer is None else sliding_window_of(text_config, layer),
         )
 
@@ -85,6 +85,21 @@ class LayerCost:
 
     def kv_only(self, batch: int, new_tokens: int) -> int:
         return batch * new_tokens * self.kv_projection
+
+
+def _mlp_width(text_config: Any) -> int:
+    """The width of the MLP one token runs: `intermediate_size`, or where a mixture of experts declares none
+    (Qwen3.5-MoE) its experts' width times the experts each token uses, plus the shared expert's."""
+    width = getattr(text_config, "intermediate_size", None)
+    if width:
+        return int(width)
+    experts = _experts_used(text_config)
+    routed = int(getattr(text_config, "moe_intermediate_size", 0) or 0) * (experts[0] if experts else 0)
+    shared = int(getattr(text_config, "shared_expert_intermediate_size", 0) or 0)
+    if not routed + shared:
+        raise ValueError(f"{type(text_config).__name__} declares no MLP width (intermediate_size, or "
+                         "moe_intermediate_size with num_experts_per_tok): the layer cost cannot be counted")
+    return routed + shared
 
 
 def _experts_used(text_config: Any) -> tuple[int, int] | None:
