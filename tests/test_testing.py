@@ -21,7 +21,7 @@ def _vocab(model):
 
 
 def test_families_are_model_types():
-    assert len(FAMILIES) == 21 and len(set(FAMILIES)) == 21
+    assert len(FAMILIES) == 22 and len(set(FAMILIES)) == 22
     assert FAMILIES[-2:] == ("llama", "qwen2")
 
 

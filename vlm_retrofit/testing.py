@@ -36,6 +36,7 @@ FAMILIES: tuple[str, ...] = (
     "mistral3",
     "llava_next",
     "aya_vision",
+    "cohere2_vision",
     "qwen3_vl_moe",
     "glm4v",
     "lfm2_vl",
@@ -398,6 +399,19 @@ def _aya_config(text, tok, proc):
                               downsample_factor=2, vision_feature_select_strategy="full", vision_feature_layer=-1)
 
 
+def _cohere2_vision_processor(tok):
+    # One 56 px tile per image (no crops): SigLIP's 4 x 4 patches, pixel-shuffled by 2, are 2 x 2 <|IMG_PATCH|>s (the
+    # image processor's patch_size counts a tile's tokens per side), then one <|IMG_LINE_BREAK|>.
+    ip = tf.Cohere2VisionImageProcessor(size={"height": 56, "width": 56}, crop_to_patches=False, patch_size=2)
+    return tf.Cohere2VisionProcessor(image_processor=ip, tokenizer=tok, chat_template=tok.chat_template)
+
+
+def _cohere2_vision_config(text, tok, proc):
+    vision = tf.SiglipVisionConfig(**_VISION, image_size=56, patch_size=14, vision_use_head=False)
+    return tf.Cohere2VisionConfig(vision_config=vision, text_config=text, image_token_id=proc.image_token_id,
+                                  downsample_factor=2, alignment_intermediate_size=64)
+
+
 def _glm4v_processor(tok):
     # Qwen2-VL-style flattened patches: a 56 px image is 4 x 4 patches of 14 px, merged 2 x 2 into 4 <|image|>s.
     kw = dict(patch_size=14, merge_size=2, temporal_patch_size=2,
@@ -531,6 +545,18 @@ _SPECS: dict[str, _Family] = {
                        bos="<BOS_TOKEN>"),
         ("<|START_OF_TURN_TOKEN|>", "<|USER_TOKEN|>", "<|CHATBOT_TOKEN|>", "<|SYSTEM_TOKEN|>", *_AYA_IMAGE_TOKENS),
         processor=_aya_processor, config=_aya_config, text_fix=_alternating_layers),
+    # Command A Vision: Aya Vision's Cohere 2 text; an image is its tiles' <|IMG_PATCH|>s between
+    # <|START_OF_IMG|> and <|END_OF_IMG|>, each tile closed by <|IMG_LINE_BREAK|>.
+    "cohere2_vision": _Family(
+        "Cohere2VisionForConditionalGeneration", "Cohere2Config",
+        dict(bos_token="<BOS_TOKEN>", eos_token="<|END_OF_TURN_TOKEN|>", pad_token="<PAD>",
+             image_token="<|IMG_PATCH|>", boi_token="<|START_OF_IMG|>", eoi_token="<|END_OF_IMG|>",
+             img_line_break_token="<|IMG_LINE_BREAK|>"),
+        _chat_template("<|START_OF_TURN_TOKEN|>ROLE", "<|END_OF_TURN_TOKEN|>", "<|IMG_PATCH|>",
+                       {"user": "<|USER_TOKEN|>", "assistant": "<|CHATBOT_TOKEN|>", "system": "<|SYSTEM_TOKEN|>"},
+                       bos="<BOS_TOKEN>"),
+        ("<|START_OF_TURN_TOKEN|>", "<|USER_TOKEN|>", "<|CHATBOT_TOKEN|>", "<|SYSTEM_TOKEN|>"),
+        processor=_cohere2_vision_processor, config=_cohere2_vision_config, text_fix=_alternating_layers),
     "qwen3_vl_moe": _Family(  # Qwen3-VL with a mixture-of-experts MLP in every layer
         "Qwen3VLMoeForConditionalGeneration", "Qwen3VLMoeTextConfig", _QWEN_TOKENS, _QWEN_TEMPLATE, _IM_START,
         processor=_qwen_processor("Qwen3VLProcessor", "Qwen3VLVideoProcessor", 16),

@@ -66,10 +66,13 @@ register_backbone("qwen3_vl", BackboneSpec(never_skip_layers=_qwen3_vl_deepstack
 register_backbone("qwen3_vl_moe", BackboneSpec(never_skip_layers=_qwen3_vl_deepstack_layers, mlp_output_attr=None))
 # Gemma 3 normalises the MLP output (post_feedforward_layernorm) before adding it to the stream.
 register_backbone("gemma3", BackboneSpec(mlp_output_attr=None))
-# Aya Vision's Cohere 2 text: each layer adds attention and MLP, both fed by `input_layernorm`, to the stream in
+# Cohere 2 text (Aya Vision, Command A Vision): each layer adds attention and MLP, both fed by `input_layernorm`, to the stream in
 # parallel (the kv-only path needs only that norm, and `mlp.down_proj` still adds its output unchanged); only its
 # sliding-window layers rotate keys, the full-attention ones use no position encoding at all.
-register_backbone("aya_vision", BackboneSpec(uses_rotary=lambda attention: attention.sliding_window is not None))
+COHERE2_TEXT = BackboneSpec(uses_rotary=lambda attention: attention.sliding_window is not None)
+register_backbone("aya_vision", COHERE2_TEXT)
+# Command A Vision: the same Cohere 2 text behind a SigLIP tower.
+register_backbone("cohere2_vision", COHERE2_TEXT)
 # GLM-4.1V's GLM-4 text normalises the attention and the MLP outputs (post_self_attn_layernorm, post_mlp_layernorm)
 # before adding them to the stream, and rotates only part of each head (partial_rotary_factor 0.5), which its own
 # apply_rotary_pos_emb does; the kv-only path is refused until the spec names such a function.
