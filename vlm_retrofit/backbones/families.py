@@ -66,9 +66,9 @@ register_backbone("qwen3_vl", BackboneSpec(never_skip_layers=_qwen3_vl_deepstack
 register_backbone("qwen3_vl_moe", BackboneSpec(never_skip_layers=_qwen3_vl_deepstack_layers, mlp_output_attr=None))
 # Gemma 3 normalises the MLP output (post_feedforward_layernorm) before adding it to the stream.
 register_backbone("gemma3", BackboneSpec(mlp_output_attr=None))
-# Cohere 2 text (Aya Vision, Command A Vision): each layer adds attention and MLP, both fed by `input_layernorm`, to the stream in
-# parallel (the kv-only path needs only that norm, and `mlp.down_proj` still adds its output unchanged); only its
-# sliding-window layers rotate keys, the full-attention ones use no position encoding at all.
+# Cohere 2 text (Aya Vision, Command A Vision): each layer adds attention and MLP, both fed by `input_layernorm`, to
+# the stream in parallel (the kv-only path needs only that norm, and `mlp.down_proj` still adds its output unchanged);
+# only its sliding-window layers rotate keys, the full-attention ones use no position encoding at all.
 COHERE2_TEXT = BackboneSpec(uses_rotary=lambda attention: attention.sliding_window is not None)
 register_backbone("aya_vision", COHERE2_TEXT)
 # Command A Vision: the same Cohere 2 text behind a SigLIP tower.
