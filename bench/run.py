@@ -150,13 +150,8 @@ VARIANTS = {
     # did not, and healed further on val (x1.095 against x1.100, caption KL 0.083 against 0.097; RESULTS.md).
     # 8 passes over the capture instead of 4: the replacement alone read x1.132 against x1.148 on val text (384
     # batches x 4 passes: x1.131, 100 s dearer), for ~76 s of the budget's LoRA steps (RESULTS.md, "8 passes")
-    "lora_mlp_span_layer": Variant("lora_mlp_span_layer", "static", {"block_size": 1},
-                                   LAYER_HEALING,
+    "lora_mlp_span_layer": Variant("lora_mlp_span_layer", "static", {"block_size": 1}, LAYER_HEALING,
                                    fixed_removal=True, span_order=True, steps=240),
-    # The same recipe for the 10 and 30 % points, each trained for its own removal (the span order's first 3 / 9
-    # blocks) and measured there: by hand in the 20-minute budget, x1.028 at 10 % and x1.175-1.207 at 30 % (test,
-    # pruned) against x1.170 / x1.691 for `lora_mlp_span`'s 20 % adapter at those points (RESULTS.md, "One LoRA per
-    # operating point").
     # The layer-replacement recipe for the 10 and 30 % points, each trained for its own removal and measured there,
     # as `lora_mlp_span_t10` / `_t30` are for the plain start. The span order's first 3 layers (by single-block
     # impact inside the span) may form two spans, each replaced by the layer in front of it; its first 9 are the
@@ -164,17 +159,19 @@ VARIANTS = {
     # Not in the default list: a layer is fitted per span, each on its own capture, so the fit grows with the spans
     # (the 10 % removal {14}, {16, 17}: 15 of the 20 minutes on 2 CPU cores, some of it shared with other work,
     # leaving 61 LoRA steps; the 30 % removal has three spans).
-    "lora_mlp_span_layer_t10": Variant("lora_mlp_span_layer_t10", "static", {"block_size": 1},
-                                       LAYER_HEALING,
+    "lora_mlp_span_layer_t10": Variant("lora_mlp_span_layer_t10", "static", {"block_size": 1}, LAYER_HEALING,
                                        fixed_removal=True, span_order=True, steps=240, removal_target=0.1),
-    "lora_mlp_span_layer_t30": Variant("lora_mlp_span_layer_t30", "static", {"block_size": 1},
-                                       LAYER_HEALING,
+    "lora_mlp_span_layer_t30": Variant("lora_mlp_span_layer_t30", "static", {"block_size": 1}, LAYER_HEALING,
                                        fixed_removal=True, span_order=True, steps=240, removal_target=0.3),
+    # `lora_mlp_span`'s recipe for the 10 and 30 % points, each trained for its own removal (the span order's first
+    # 3 / 9 blocks) and measured there: by hand in the 20-minute budget, x1.028 at 10 % and x1.175-1.207 at 30 %
+    # (test, pruned) against x1.170 / x1.691 for `lora_mlp_span`'s 20 % adapter at those points (RESULTS.md, "One
+    # LoRA per operating point").
     "lora_mlp_span_t10": Variant("lora_mlp_span_t10", "static", {"block_size": 1}, LORA_HEALING,
                                  fixed_removal=True, span_order=True, steps=240, removal_target=0.1),
     "lora_mlp_span_t30": Variant("lora_mlp_span_t30", "static", {"block_size": 1}, LORA_HEALING,
                                  fixed_removal=True, span_order=True, steps=240, removal_target=0.3),
-    # The same recipe trained on every removal count the targets take (3..9 layers of the span order for 10-30 %),
+    # `lora_mlp_span` trained on every removal count the targets take (3..9 layers of the span order for 10-30 %),
     # so that one LoRA serves every target. Probed with `bench.measure` (240 steps each, test text, one build): x1.035 /
     # x1.118 / x1.380 at 10 / 20 / 30 %, against x1.173 / x1.126 / x1.704 for the same recipe trained at 20 % only.
     "lora_mlp_span_elastic": Variant("lora_mlp_span_elastic", "static", {"block_size": 1}, LORA_HEALING,
@@ -243,24 +240,13 @@ def training_key(variant: Variant, removal: dict[str, Any], decay_over: str = "s
     settings `removal`; for a decaying variant under `decay_over="budget"`, that decay (adapters trained before it
     decayed over their steps); for a variant pulled to a compute target, what that target counted and whether
     image positions could skip."""
-    key = dict(removal)
+    key = {**removal, "overrides": None}  # `bench.heal --set` trained another recipe than the variant's
     if variant.steps and decay_over == "budget":
         key["decay_over"] = "budget"
     if variant.module.get("compute_target") is None:
         return key
     return {**key, "compute_counted_on": COMPUTE_COUNTED_ON,
             "skip_image_positions": variant.module.get("skip_image_positions", True)}
-
-
-def _same_training(key: str, recorded: Any, expected: Any, settings: dict[str, Any]) -> bool:
-    """Whether a train_info value `recorded` trained what `expected` would: a fixed removal (every step removes all
-    of its blocks) is the same whatever order lists its blocks (e.g. an adapter trained by `bench.heal` on the span
-    listed in depth order)."""
-    if (key == "removal_order" and settings.get("min_removed_blocks") == settings.get("max_removed_blocks")
-            and isinstance(recorded, list) and isinstance(expected, list)):
-        most = settings["max_removed_blocks"]
-        return sorted(recorded[:most]) == sorted(expected[:most]) and len(recorded) >= most
-    return recorded == expected
 
 
 def stale_runs(variants: list[Variant], runs: Path, expected: dict[str, dict[str, Any]]) -> list[str]:
@@ -273,8 +259,7 @@ def stale_runs(variants: list[Variant], runs: Path, expected: dict[str, dict[str
         if not info_path.is_file():
             continue
         info = json.loads(info_path.read_text())
-        wrong = {k: info.get(k) for k, v in expected[variant.name].items()
-                 if not _same_training(k, info.get(k), v, expected[variant.name])}
+        wrong = {k: info.get(k) for k, v in expected[variant.name].items() if info.get(k) != v}
         if wrong:
             stale.append(f"{runs / variant.name}: trained with {wrong}, this run needs "
                          f"{ {k: expected[variant.name][k] for k in wrong} }")

@@ -375,13 +375,14 @@ def test_adapters_trained_otherwise_are_found_before_any_work(tmp_path):
         info = {"steps": 3, "removal_order": None, **expected[variant.name]}
         (tmp_path / variant.name / "train_info.json").write_text(json.dumps(info))
     assert stale_runs(variants, tmp_path, expected) == []
-    orders["joint"] = [2, 1, 3]  # the joint order searched again, picking other blocks
+    orders["joint"] = [1, 3, 2]  # the joint order searched again
     stale = stale_runs(variants, tmp_path, {v.name: removal_settings(v, orders, 3, 2) for v in variants})
-    assert len(stale) == 1 and "lora_mlp_joint_plain" in stale[0] and "[2, 1, 3]" in stale[0]
+    assert len(stale) == 1 and "lora_mlp_joint_plain" in stale[0] and "[1, 3, 2]" in stale[0]
     # Gates pulled to a compute target that counted every position (before it counted real text only) are stale.
     keys = {v.name: training_key(v, expected[v.name]) for v in variants}
-    assert keys["gate"] == {"compute_counted_on": "real text positions", "skip_image_positions": False}
-    assert keys["routed_static"] == expected["routed_static"]
+    assert keys["gate"] == {"overrides": None, "compute_counted_on": "real text positions",
+                            "skip_image_positions": False}
+    assert keys["routed_static"] == {**expected["routed_static"], "overrides": None}
     stale = stale_runs(variants, tmp_path, keys)
     assert len(stale) == 1 and "gate" in stale[0] and "compute_counted_on" in stale[0]
     # Gates trained with image positions skipping, measured with them running, are stale too.
@@ -391,39 +392,35 @@ def test_adapters_trained_otherwise_are_found_before_any_work(tmp_path):
     assert len(stale) == 1 and "skip_image_positions" in stale[0]
     # LoRA healing decayed over its steps is stale for a run that decays over the budget, and the gates unaffected.
     budget = {v.name: training_key(v, expected[v.name], "budget") for v in variants}
-    assert budget["lora_mlp_span"] == {**expected["lora_mlp_span"], "decay_over": "budget"}
+    assert budget["lora_mlp_span"] == {**expected["lora_mlp_span"], "overrides": None, "decay_over": "budget"}
     assert budget["gate"] == keys["gate"] and budget["routed_static"] == keys["routed_static"]
     stale = stale_runs(variants, tmp_path, budget)
     assert sorted(line.split(": ")[0].rsplit("/", 1)[-1] for line in stale) == ["gate", "lora_mlp_joint_plain",
                                                                               "lora_mlp_span"]
 
 
-def test_a_fixed_removal_reused_whatever_order_lists_its_blocks(tmp_path):
+def test_an_adapter_healed_by_hand_is_reused_only_as_the_variant_trains_it(tmp_path):
     from bench.run import removal_settings, stale_runs, training_key
 
-    variants = selected_variants(["lora_mlp_span_layer", "routed_static"])
+    variants = selected_variants(["lora_mlp_span_layer"])
     orders = {"impact": [4, 2, 3, 1], "joint": [3, 1, 2, 4], "span": [3, 2, 1, 4]}
     keys = {v.name: training_key(v, removal_settings(v, orders, 3, 2), "budget") for v in variants}
-    assert keys["lora_mlp_span_layer"]["removal_order"] == [3, 2, 1, 4]  # the first 2 are removed at every step
 
-    def recorded(name, order, most, fewest):
-        (tmp_path / name).mkdir(exist_ok=True)
-        info = {"removal_order": order, "max_removed_blocks": most, "min_removed_blocks": fewest,
-                "decay_over": "budget"}
-        (tmp_path / name / "train_info.json").write_text(json.dumps(info))
+    def recorded(order, **extra):
+        (tmp_path / "lora_mlp_span_layer").mkdir(exist_ok=True)
+        info = {"removal_order": order, "max_removed_blocks": 2, "min_removed_blocks": 2, "decay_over": "budget",
+                **extra}
+        (tmp_path / "lora_mlp_span_layer" / "train_info.json").write_text(json.dumps(info))
 
-    recorded("lora_mlp_span_layer", [2, 3], 2, 2)  # as `bench.heal --removal 2 3` records the same two layers
-    recorded("routed_static", [4, 2, 3, 1], 3, 0)
+    recorded([3, 2, 1, 4])
     assert stale_runs(variants, tmp_path, keys) == []
-    recorded("lora_mlp_span_layer", [1, 3], 2, 2)  # other layers
-    assert [line.split(":")[0].rsplit("/", 1)[-1] for line in stale_runs(variants, tmp_path, keys)] == [
-        "lora_mlp_span_layer"]
-    recorded("lora_mlp_span_layer", [2], 2, 2)  # fewer layers listed than it claims to remove
+    # `bench.heal --removal 2 3`: the same two layers, but the adapter's own order decides which layers its rows at
+    # the other targets remove (its first one at 10 %, and too few at 30 %).
+    recorded([2, 3])
     assert len(stale_runs(variants, tmp_path, keys)) == 1
-    recorded("lora_mlp_span_layer", [2, 3], 2, 2)
-    recorded("routed_static", [2, 4, 3, 1], 3, 0)  # a schedule of prefixes: the order is what it trained
-    assert [line.split(":")[0].rsplit("/", 1)[-1] for line in stale_runs(variants, tmp_path, keys)] == [
-        "routed_static"]
+    recorded([3, 2, 1, 4], overrides={"replacement_epochs": 12})  # `bench.heal --set`: another recipe
+    (stale,) = stale_runs(variants, tmp_path, keys)
+    assert "overrides" in stale and "replacement_epochs" in stale
 
 
 def test_train_only_trains_every_variant_for_its_own_removal_and_measures_nothing(monkeypatch, tmp_path):

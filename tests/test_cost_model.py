@@ -1,5 +1,7 @@
 """The per-layer cost model: sliding windows as HF's masks apply them, and each layer's own weights measured."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 from transformers import DynamicCache, LlamaConfig, MistralConfig
@@ -88,6 +90,7 @@ def test_layer_costs_are_measured_from_each_layers_weights(family):
         assert [c.dense for c in measured] == [delta_net + moe if i == 1 else attention + 2 * d * 64 + moe
                                                for i in range(6)]
         assert {c.dense for c in from_config} == {attention + 3 * 2 * d * (2 * 32 + 32)}
+        assert [c.attends for c in measured] == [i != 1 for i in range(6)]
     elif family == "qwen3_5":  # layer 1 is a Gated DeltaNet; the attention layers' q_proj doubles as a gate
         # Keys 2 x 8, values 4 x 8: in_proj_qkv 64 -> 64, in_proj_z 64 -> 32, in_proj_b / _a 64 -> 4 each,
         # out_proj 32 -> 64, a depthwise kernel of 4 over the 64 q, k, v channels.
@@ -122,5 +125,7 @@ def test_a_mixture_without_an_intermediate_size_counts_the_width_a_token_runs():
                           shared_expert_intermediate_size=48)
     assert LayerCost.from_config(moe).intermediate_size == 2 * 32 + 48
     assert LayerCost.from_config(SimpleNamespace(**dims, intermediate_size=128)).intermediate_size == 128
-    with pytest.raises(ValueError, match="declares no MLP width"):
-        LayerCost.from_config(SimpleNamespace(**dims))
+    undeclared = LayerCost.from_config(SimpleNamespace(**dims))
+    with pytest.raises(ValueError, match="declares no MLP width.*from their weights"):
+        undeclared.dense
+    assert replace(undeclared, dense_flops=1000).full(batch=2, new_tokens=1, kv_length=1) == 2 * (1000 + 2 * 2 * 64)

@@ -202,18 +202,6 @@ def _qwen3_5_moe_text(kw: dict, overrides: dict) -> None:
     kw.setdefault("shared_expert_intermediate_size", 32)
 
 
-def _qwen3_5_config(cfg_cls: str):
-    def build(text, tok, proc):
-        vision = dict(depth=2, num_heads=2, patch_size=16, spatial_merge_size=2, temporal_patch_size=2, in_channels=3,
-                      hidden_size=32, intermediate_size=64, out_hidden_size=text.hidden_size,
-                      num_position_embeddings=64)
-        ids = _ids(tok, image_token_id="<|image_pad|>", video_token_id="<|video_pad|>",
-                   vision_start_token_id="<|vision_start|>", vision_end_token_id="<|vision_end|>")
-        return getattr(tf, cfg_cls)(text_config=text, vision_config=vision, **ids)
-
-    return build
-
-
 def _full_attention(kw: dict, overrides: dict) -> None:
     """Text-config fix: no sliding window (MistralConfig defaults to 4096; Mistral3Config's own default text
     config, Mistral Small 3.1's, has none)."""
@@ -246,17 +234,18 @@ def _qwen_processor(proc_cls: str, video_cls: str, patch: int):
 
 
 def _qwen_config(cfg_cls: str, version: int):
+    """Qwen2-VL (2), Qwen2.5-VL (25), Qwen3-VL (3) or Qwen3.5 (35: Qwen3-VL's tower without deepstack)."""
     def build(text, tok, proc):
-        common = dict(depth=2, num_heads=2, patch_size=16 if version == 3 else 14, spatial_merge_size=2,
+        common = dict(depth=2, num_heads=2, patch_size=16 if version in (3, 35) else 14, spatial_merge_size=2,
                       temporal_patch_size=2, in_channels=3)
         if version == 2:
             vision = dict(common, embed_dim=32, hidden_size=text.hidden_size, mlp_ratio=2)
         elif version == 25:
             vision = dict(common, hidden_size=32, intermediate_size=64, out_hidden_size=text.hidden_size,
                           window_size=56, fullatt_block_indexes=[1])
-        else:  # deepstack taps vision layers 0 and 1 -> injected after decoder layers 0 and 1
+        else:  # Qwen3-VL's deepstack taps vision layers 0 and 1 -> injected after decoder layers 0 and 1
             vision = dict(common, hidden_size=32, intermediate_size=64, out_hidden_size=text.hidden_size,
-                          num_position_embeddings=64, deepstack_visual_indexes=[0, 1])
+                          num_position_embeddings=64, **({"deepstack_visual_indexes": [0, 1]} if version == 3 else {}))
         ids = _ids(tok, image_token_id="<|image_pad|>", video_token_id="<|video_pad|>",
                    vision_start_token_id="<|vision_start|>", vision_end_token_id="<|vision_end|>")
         return getattr(tf, cfg_cls)(text_config=text, vision_config=vision, **ids)
@@ -591,11 +580,11 @@ _SPECS: dict[str, _Family] = {
     "qwen3_5": _Family(
         "Qwen3_5ForConditionalGeneration", "Qwen3_5TextConfig", _QWEN_TOKENS, _QWEN_TEMPLATE, _IM_START,
         processor=_qwen_processor("Qwen3VLProcessor", "Qwen3VLVideoProcessor", 16),
-        config=_qwen3_5_config("Qwen3_5Config"), text_fix=_qwen3_5_text),
+        config=_qwen_config("Qwen3_5Config", 35), text_fix=_qwen3_5_text),
     "qwen3_5_moe": _Family(  # Qwen3.5 with a mixture-of-experts MLP (and a shared expert) in every layer
         "Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeTextConfig", _QWEN_TOKENS, _QWEN_TEMPLATE, _IM_START,
         processor=_qwen_processor("Qwen3VLProcessor", "Qwen3VLVideoProcessor", 16),
-        config=_qwen3_5_config("Qwen3_5MoeConfig"), text_fix=_qwen3_5_moe_text),
+        config=_qwen_config("Qwen3_5MoeConfig", 35), text_fix=_qwen3_5_moe_text),
     "llama": _Family(
         "LlamaForCausalLM", "LlamaConfig",
         dict(bos_token="<|begin_of_text|>", eos_token="<|eot_id|>", pad_token="<|finetune_pad|>"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Sequence
 
 from .registry import BackboneSpec, register_backbone
@@ -26,19 +27,19 @@ def _layers_of_type(layer_type: str):
     return layers
 
 
-def _glm4v_rotary(q, k, cos, sin, *args: Any, **kwargs: Any):
-    # GLM-4.1V's own: it rotates the first cos.shape[-1] channels of each head (pairing adjacent ones) and passes the
-    # rest through. Imported when a layer skips, so that registering the family does not load its modeling module.
-    from transformers.models.glm4v.modeling_glm4v import apply_rotary_pos_emb
+def _own_rotary(module: str):
+    """`rotary_fn` calling the `apply_rotary_pos_emb` of `transformers.models.<module>`, for families that rotate a
+    part of each head themselves. Imported when a layer skips, so that registering the family does not load its
+    modeling module."""
 
-    return apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs)
+    def rotary(q, k, cos, sin, *args: Any, **kwargs: Any):
+        import importlib
 
+        apply = importlib.import_module(f"transformers.models.{module}").apply_rotary_pos_emb
+        return apply(q, k, cos, sin, *args, **kwargs)
 
-def _qwen3_5_rotary(q, k, cos, sin, *args: Any, **kwargs: Any):
-    # Qwen3.5's own: it rotates the first cos.shape[-1] channels of each head (a quarter) and passes the rest through.
-    from transformers.models.qwen3_5.modeling_qwen3_5 import apply_rotary_pos_emb
-
-    return apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs)
+    rotary.__qualname__ = f"{module}.apply_rotary_pos_emb"  # what a consistency report names
+    return rotary
 
 
 STANDARD_FAMILIES = (
@@ -75,8 +76,9 @@ register_backbone("aya_vision", COHERE2_TEXT)
 register_backbone("cohere2_vision", COHERE2_TEXT)
 # GLM-4.1V's GLM-4 text normalises the attention and the MLP outputs (post_self_attn_layernorm, post_mlp_layernorm)
 # before adding them to the stream, and rotates only part of each head (partial_rotary_factor 0.5), which its own
-# apply_rotary_pos_emb does; the kv-only path is refused until the spec names such a function.
-register_backbone("glm4v", BackboneSpec(rotary_fn=_glm4v_rotary, mlp_output_attr=None))
+# apply_rotary_pos_emb does (the first cos.shape[-1] channels, pairing adjacent ones); the kv-only path is refused
+# until the spec names such a function.
+register_backbone("glm4v", BackboneSpec(rotary_fn=_own_rotary("glm4v.modeling_glm4v"), mlp_output_attr=None))
 # LFM2-VL's LFM2 text: each layer runs a short gated convolution (its state in the hybrid cache) or GQA attention after
 # `operator_norm`, then `feed_forward` (w2 adds its output unchanged) after `ffn_norm`; the attention normalises each
 # key head (`k_layernorm`), and the decoder's final norm is called `embedding_norm`. The convolution layers never skip.
@@ -84,12 +86,12 @@ register_backbone("lfm2_vl", BackboneSpec(final_norm_attr="embedding_norm", inpu
                                           k_norm_attr="k_layernorm", never_skip_layers=_layers_of_type("conv"),
                                           mlp_output_attr="feed_forward.w2"))
 # Qwen3.5: three Gated DeltaNet layers (linear attention, `linear_attn`) to one full-attention layer, which gates
-# its output per channel (q_proj's second half) and rotates a quarter of each head after a per-head key norm, as its
-# own apply_rotary_pos_emb does. The linear-attention layers never skip.
-register_backbone("qwen3_5", BackboneSpec(rotary_fn=_qwen3_5_rotary,
-                                          never_skip_layers=_layers_of_type("linear_attention")))
-# Qwen3.5-MoE: the same layers with a mixture of experts (and a shared expert) as each MLP: no single linear layer
-# adds the MLP's output to the stream.
-register_backbone("qwen3_5_moe", BackboneSpec(rotary_fn=_qwen3_5_rotary,
-                                              never_skip_layers=_layers_of_type("linear_attention"),
-                                              mlp_output_attr=None))
+# its output per channel (each head's slice of q_proj is twice head_dim: query, then gate) and rotates the first
+# quarter of each head after a per-head key norm, as its own apply_rotary_pos_emb does. The linear-attention layers
+# never skip.
+QWEN3_5_TEXT = BackboneSpec(rotary_fn=_own_rotary("qwen3_5.modeling_qwen3_5"),
+                            never_skip_layers=_layers_of_type("linear_attention"))
+register_backbone("qwen3_5", QWEN3_5_TEXT)
+# Qwen3.5-MoE: the same layers (the same rotary) with a mixture of experts and a shared expert as each MLP: no
+# single linear layer adds the MLP's output to the stream.
+register_backbone("qwen3_5_moe", dataclasses.replace(QWEN3_5_TEXT, mlp_output_attr=None))

@@ -16,7 +16,8 @@ class LayerCost:
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    intermediate_size: int
+    intermediate_size: int | None
+    """The MLP width a token runs; None where the config declares none (then only `dense_flops` can count it)."""
     mlp_matrices: int = 3  # gated MLP: gate, up, down
     sliding_window: int | None = None
     """Keys a query attends to at most (itself included), as HF's sliding-window mask; None: the whole context."""
@@ -63,6 +64,10 @@ class LayerCost:
         """Everything in a layer that does not depend on the context: q/k/v/o projections and the MLP."""
         if self.dense_flops is not None:
             return self.dense_flops
+        if self.intermediate_size is None:
+            raise ValueError("the config declares no MLP width (intermediate_size, or moe_intermediate_size with "
+                             "num_experts_per_tok): count the layers from their weights (LayerCost.per_layer with "
+                             "the layers)")
         d, q = self.hidden_size, self.num_heads * self.head_dim
         return 2 * d * q + self.kv_projection + 2 * q * d + self.mlp_matrices * 2 * d * self.intermediate_size
 
@@ -87,19 +92,15 @@ class LayerCost:
         return batch * new_tokens * self.kv_projection
 
 
-def _mlp_width(text_config: Any) -> int:
+def _mlp_width(text_config: Any) -> int | None:
     """The width of the MLP one token runs: `intermediate_size`, or where a mixture of experts declares none
-    (Qwen3.5-MoE) its experts' width times the experts each token uses, plus the shared expert's."""
+    (Qwen3.5-MoE) its experts' width times the experts each token uses, plus the shared expert's; None if neither."""
     width = getattr(text_config, "intermediate_size", None)
     if width:
         return int(width)
-    experts = _experts_used(text_config)
-    routed = int(getattr(text_config, "moe_intermediate_size", 0) or 0) * (experts[0] if experts else 0)
-    shared = int(getattr(text_config, "shared_expert_intermediate_size", 0) or 0)
-    if not routed + shared:
-        raise ValueError(f"{type(text_config).__name__} declares no MLP width (intermediate_size, or "
-                         "moe_intermediate_size with num_experts_per_tok): the layer cost cannot be counted")
-    return routed + shared
+    routed = (int(getattr(text_config, "moe_intermediate_size", 0) or 0)
+              * int(getattr(text_config, "num_experts_per_tok", 0) or 0))
+    return routed + int(getattr(text_config, "shared_expert_intermediate_size", 0) or 0) or None
 
 
 def _experts_used(text_config: Any) -> tuple[int, int] | None:
