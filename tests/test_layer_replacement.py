@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from vlm_retrofit.backbones import resolve
-from vlm_retrofit.layer_replacement import fit_layer_replacements, standalone_layer, substitutes
+from vlm_retrofit.layer_replacement import (fit_layer_replacements, standalone_layer, standalone_shapes,
+                                             substitutes)
 from vlm_retrofit.pruning import layers_removed
 from vlm_retrofit.replacement import (check_replacements, fold_replacements, load_replacements, replacements_folded,
                                       save_replacements)
@@ -187,3 +188,20 @@ def test_module_refuses_bad_layer_replacement_settings():
     with pytest.raises(ValueError, match="hidden_weight"):
         _module(hidden_weight=1.0)
     _module(backbone="tiny:gemma3")  # a normed MLP output refuses a linear replacement, not a layer one
+
+
+def test_a_layers_standalone_shapes_are_read_without_copying_it():
+    from peft import LoraConfig, get_peft_model
+
+    model, _ = tiny_vlm("llama", num_hidden_layers=4)
+    plain = resolve(model).get_layers(model)[1]
+    expected = {k: tuple(v.shape) for k, v in standalone_layer(plain).state_dict().items()}
+    assert standalone_shapes(plain) == expected
+    # LoRA wrappers and a `modules_to_save` copy read as the modules they wrap: the plain layer's names and shapes.
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], modules_to_save=["o_proj"])
+    wrapped = get_peft_model(model, config)
+    layer = resolve(wrapped).get_layers(wrapped)[1]
+    names = list(layer.state_dict())
+    assert any("lora_A" in name for name in names) and any("modules_to_save" in name for name in names)
+    copied = {k: tuple(v.shape) for k, v in standalone_layer(layer).state_dict().items()}
+    assert standalone_shapes(layer) == expected == copied

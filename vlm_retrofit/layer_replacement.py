@@ -42,6 +42,31 @@ def standalone_layer(layer: nn.Module) -> nn.Module:
     return clone
 
 
+def standalone_shapes(layer: nn.Module) -> dict[str, tuple[int, ...]]:
+    """The names and shapes of `standalone_layer(layer)`'s state dict, read from `layer` without copying it (a
+    large model's layer is gigabytes): each LoRA or `modules_to_save` wrapper read as the module it wraps."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.utils.other import ModulesToSaveWrapper
+
+    shapes: dict[str, tuple[int, ...]] = {}
+
+    def visit(module: nn.Module, prefix: str) -> None:
+        if isinstance(module, BaseTunerLayer):
+            module = module.get_base_layer()
+        elif isinstance(module, ModulesToSaveWrapper):
+            module = module.original_module
+        for name, param in module.named_parameters(recurse=False):
+            shapes[prefix + name] = tuple(param.shape)
+        for name, buffer in module.named_buffers(recurse=False):
+            if name not in module._non_persistent_buffers_set:
+                shapes[prefix + name] = tuple(buffer.shape)
+        for name, child in module.named_children():
+            visit(child, f"{prefix}{name}.")
+
+    visit(layer, "")
+    return shapes
+
+
 def layer_with(layer: nn.Module, state: Mapping[str, Tensor]) -> nn.Module:
     """A standalone copy of `layer` (`standalone_layer`) holding the weights of `state` (each in the dtype of the
     weight it replaces), on the layer's device, frozen: what the healing student runs in place of `layer`."""

@@ -201,9 +201,9 @@ def check_replacements(transforms: Mapping[int, Any], removed: Iterable[int], fi
             if tuple(transform.shape) != (hidden_size, hidden_size):
                 bad[int(index)] = tuple(transform.shape)
         elif layers is not None:
-            from .layer_replacement import standalone_layer
+            from .layer_replacement import standalone_shapes
 
-            own = {k: tuple(v.shape) for k, v in standalone_layer(layers[int(index)]).state_dict().items()}
+            own = standalone_shapes(layers[int(index)])
             given = {k: tuple(v.shape) for k, v in transform.items()}
             if own != given:
                 bad[int(index)] = sorted(set(own.items()) ^ set(given.items()))[:4]
