@@ -76,6 +76,9 @@ def test_layer_costs_are_measured_from_each_layers_weights(family):
     from_config = LayerCost.per_layer(text, 6)
     d, mlp = 64, 3 * 2 * 64 * 128  # the tiny decoders: width 64, gated MLP 128
     attention = 2 * d * 64 + 4 * d * 32 + 2 * 64 * d  # q, k + v (2 kv heads of 16), o
+    # Qwen3.5's Gated DeltaNet (layer 1 of its tiny models), keys 2 x 8, values 4 x 8: in_proj_qkv 64 -> 64,
+    # in_proj_z 64 -> 32, in_proj_b / _a 64 -> 4 each, out_proj 32 -> 64, a depthwise kernel of 4 over q, k, v.
+    delta_net = 2 * d * 64 + 2 * d * 32 + 2 * 2 * d * 4 + 2 * 32 * d + 2 * 64 * 4
     if family == "qwen3_vl_moe":  # router [4, 64]; 4 experts of width 32, 2 of them per token
         assert {c.dense for c in measured} == {attention + 2 * 4 * d + 3 * 2 * d * 32 * 4 * 2 // 4}
     elif family == "lfm2_vl":  # layer 1 convolves: in_proj 64 -> 3 x 64, out_proj, a depthwise kernel of 3
@@ -85,16 +88,12 @@ def test_layer_costs_are_measured_from_each_layers_weights(family):
         assert [c.dense for i, c in enumerate(measured) if i != 1] == [attention + mlp] * 5
     elif family == "qwen3_5_moe":  # qwen3_5's layers; a router [4, 64], 4 experts of width 32 (2 per token), and a
         # shared expert of width 32 with its gate [1, 64]. The config formula's MLP is the width a token runs: 2 x 32 + 32.
-        delta_net = 2 * d * 64 + 2 * d * 32 + 2 * 2 * d * 4 + 2 * 32 * d + 2 * 64 * 4
         moe = 2 * 4 * d + 3 * 2 * d * 32 * 4 * 2 // 4 + 3 * 2 * d * 32 + 2 * d
         assert [c.dense for c in measured] == [delta_net + moe if i == 1 else attention + 2 * d * 64 + moe
                                                for i in range(6)]
         assert {c.dense for c in from_config} == {attention + 3 * 2 * d * (2 * 32 + 32)}
         assert [c.attends for c in measured] == [i != 1 for i in range(6)]
     elif family == "qwen3_5":  # layer 1 is a Gated DeltaNet; the attention layers' q_proj doubles as a gate
-        # Keys 2 x 8, values 4 x 8: in_proj_qkv 64 -> 64, in_proj_z 64 -> 32, in_proj_b / _a 64 -> 4 each,
-        # out_proj 32 -> 64, a depthwise kernel of 4 over the 64 q, k, v channels.
-        delta_net = 2 * d * 64 + 2 * d * 32 + 2 * 2 * d * 4 + 2 * 32 * d + 2 * 64 * 4
         assert [c.dense for c in measured] == [delta_net + mlp if i == 1 else attention + 2 * d * 64 + mlp
                                                for i in range(6)]
         assert [c.attends for c in measured] == [i != 1 for i in range(6)]

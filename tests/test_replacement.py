@@ -6,13 +6,14 @@ import json
 import pytest
 import torch
 
-from vlm_retrofit.backbones import resolve
+from vlm_retrofit.backbones import resolve, spec_for
 from vlm_retrofit.pruning import layers_removed
 from vlm_retrofit.replacement import (check_replacements, fit_replacements, fold_replacements, removed_spans,
                                       replaced_layers, replacements_applied, replacements_folded)
 from vlm_retrofit.testing import FAMILIES, tiny_inputs, tiny_vlm
 
-FOLDABLE = [f for f in FAMILIES if f not in ("gemma3", "glm4v", "qwen3_vl_moe", "qwen3_5_moe")]  # normed MLP output; experts
+# Families whose MLP adds one linear layer's output to the stream (not a normed output, not experts).
+FOLDABLE = [f for f in FAMILIES if spec_for(f).mlp_output_attr is not None]
 REMOVED = [2, 4, 5]  # two spans in a 7-layer decoder: [2] folded into layer 1, [4, 5] into layer 3
 
 

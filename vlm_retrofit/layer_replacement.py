@@ -25,9 +25,6 @@ from .backbones.registry import BackboneSpec, unwrap_model
 def standalone_layer(layer: nn.Module) -> nn.Module:
     """A copy of decoder `layer` with nothing of the framework or PEFT on it: no hooks or patched forward (the
     routers' and a skip context's), LoRA and `modules_to_save` wrappers replaced by the modules they wrap."""
-    from peft.tuners.tuners_utils import BaseTunerLayer
-    from peft.utils.other import ModulesToSaveWrapper
-
     clone = copy.deepcopy(layer)
     for module in list(clone.modules()):
         module.__dict__.pop("forward", None)
@@ -35,26 +32,31 @@ def standalone_layer(layer: nn.Module) -> nn.Module:
                       module._backward_pre_hooks, module._forward_hooks_with_kwargs, module._forward_pre_hooks_with_kwargs):
             hooks.clear()
         for name, child in list(module.named_children()):
-            if isinstance(child, BaseTunerLayer):
-                setattr(module, name, child.get_base_layer())
-            elif isinstance(child, ModulesToSaveWrapper):
-                setattr(module, name, child.original_module)
+            if _wrapped(child) is not child:
+                setattr(module, name, _wrapped(child))
     return clone
+
+
+def _wrapped(module: nn.Module) -> nn.Module:
+    """The module a PEFT wrapper stands for (a LoRA layer's base layer, a `modules_to_save` wrapper's original);
+    `module` itself when it wraps nothing."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.utils.other import ModulesToSaveWrapper
+
+    if isinstance(module, BaseTunerLayer):
+        return module.get_base_layer()
+    if isinstance(module, ModulesToSaveWrapper):
+        return module.original_module
+    return module
 
 
 def standalone_shapes(layer: nn.Module) -> dict[str, tuple[int, ...]]:
     """The names and shapes of `standalone_layer(layer)`'s state dict, read from `layer` without copying it (a
     large model's layer is gigabytes): each LoRA or `modules_to_save` wrapper read as the module it wraps."""
-    from peft.tuners.tuners_utils import BaseTunerLayer
-    from peft.utils.other import ModulesToSaveWrapper
-
     shapes: dict[str, tuple[int, ...]] = {}
 
     def visit(module: nn.Module, prefix: str) -> None:
-        if isinstance(module, BaseTunerLayer):
-            module = module.get_base_layer()
-        elif isinstance(module, ModulesToSaveWrapper):
-            module = module.original_module
+        module = _wrapped(module)
         for name, param in module.named_parameters(recurse=False):
             shapes[prefix + name] = tuple(param.shape)
         for name, buffer in module.named_buffers(recurse=False):

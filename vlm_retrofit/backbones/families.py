@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+import importlib
 from typing import Any, Sequence
 
 from .registry import BackboneSpec, register_backbone
@@ -32,11 +34,12 @@ def _own_rotary(module: str):
     part of each head themselves. Imported when a layer skips, so that registering the family does not load its
     modeling module."""
 
-    def rotary(q, k, cos, sin, *args: Any, **kwargs: Any):
-        import importlib
+    @functools.cache
+    def apply_rotary_pos_emb() -> Any:  # looked up once, at the first skipped layer
+        return importlib.import_module(f"transformers.models.{module}").apply_rotary_pos_emb
 
-        apply = importlib.import_module(f"transformers.models.{module}").apply_rotary_pos_emb
-        return apply(q, k, cos, sin, *args, **kwargs)
+    def rotary(q, k, cos, sin, *args: Any, **kwargs: Any):
+        return apply_rotary_pos_emb()(q, k, cos, sin, *args, **kwargs)
 
     rotary.__qualname__ = f"{module}.apply_rotary_pos_emb"  # what a consistency report names
     return rotary
