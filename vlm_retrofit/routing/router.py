@@ -1,4 +1,4 @@
-"""The depth-softmax math: one router mixes the sources written to the stream so far (DESIGN §2)."""
+"""The depth-softmax math: one router mixes the sources written to the stream so far (docs/design.md §2)."""
 
 from __future__ import annotations
 

@@ -121,7 +121,7 @@ def removal_impact(adapter: RouterAdapter, batches: Iterable[Mapping[str, Any]])
     token (`scored_positions`: image placeholders are not scored).
 
     The model runs with the adapter as it is (at init: plain layer dropping). Small models are dense and
-    a few blocks are catastrophic to remove (DESIGN §5): rank blocks from data, not from a fixed list.
+    a few blocks are catastrophic to remove (docs/design.md §5): rank blocks from data, not from a fixed list.
     """
     batches, reference = _reference(adapter, batches)
     return {block: _removal_kl(adapter, batches, reference, [block]) for block in adapter.layout.skippable_blocks}

@@ -1,4 +1,4 @@
-"""Skip policies: per-token decisions, made from the routing state before a block runs (DESIGN §4)."""
+"""Skip policies: per-token decisions, made from the routing state before a block runs (docs/design.md §4)."""
 
 from __future__ import annotations
 

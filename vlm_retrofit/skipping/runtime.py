@@ -21,7 +21,7 @@ def kv_only(layer: nn.Module, parts: Any, hidden: Tensor, kwargs: dict) -> None:
     """Write a skipped layer's K/V for `hidden` into the cache: input norm -> k/v proj -> k-norm -> rotary.
 
     Every layer's cache must grow every step: HF computes the mask's kv-length once per forward from one
-    layer's cache, and a missing entry crashes padded batches or silently corrupts the rest (DESIGN §3).
+    layer's cache, and a missing entry crashes padded batches or silently corrupts the rest (docs/design.md §3).
     """
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
     if cache is None:
