@@ -464,7 +464,7 @@ def test_a_spec_with_values_where_functions_belong_or_layers_out_of_range_is_ref
                                      num_attention_heads=4, num_key_value_heads=2)).eval()
     register_backbone("toy_llama", BackboneSpec(never_skip_layers=lambda config: [9]))
     try:
-        with pytest.raises(ValueError, match=r"never_skip_layers names layer\(s\) \[9\], but this backbone has 5"):
+        with pytest.raises(ValueError, match=r"feature_injection_layers name layer\(s\) \[9\], but this backbone has 5"):
             attach_routers(model, RouterConfig())
         assert get_adapter(model) is None
     finally:

@@ -1,5 +1,7 @@
 """Pruning: deleted layers equal static removal on every family (in place and in a context), pruned releases, refusals."""
 
+import copy
+import dataclasses
 import json
 import re
 
@@ -7,6 +9,7 @@ import pytest
 import torch
 
 from vlm_retrofit import RouterConfig, attach_routers, load_release
+from vlm_retrofit.backbones import resolve
 from vlm_retrofit.backbones.loading import load_backbone
 from vlm_retrofit.cli import main
 from vlm_retrofit.pruning import blocks_to_prune, layers_removed, prune_layers
@@ -119,10 +122,27 @@ def test_prune_layers_refuses_bad_requests():
 
     model, _ = tiny_vlm("qwen3_vl", num_hidden_layers=6)
     spec = attach_routers(model, RouterConfig()).spec
-    injected = list(spec.never_skip_layers(model.config))
+    injected = list(spec.feature_injection_layers(model.config))
     assert injected, "tiny Qwen3-VL should inject deepstack features"
     with pytest.raises(ValueError, match="injects features"):
         prune_layers(model, spec, [injected[-1]])
+
+
+def test_only_feature_injection_layers_keep_the_layers_below_them_from_pruning():
+    # A layer that always runs because a skipped token could not run it (a hybrid's recurrent layer) is renumbered
+    # by pruning like any other; one after which features are added by index pins every layer up to it. The two
+    # were one field before, and pruning told them apart by whether the layer had attention.
+    model, _ = tiny_vlm("llama", num_hidden_layers=6)
+    spec = resolve(model)
+    always_runs = dataclasses.replace(spec, never_skip_layers=lambda config: [3])
+    injects = dataclasses.replace(spec, feature_injection_layers=lambda config: [3])
+    both = dataclasses.replace(always_runs, feature_injection_layers=lambda config: [1])
+    assert [s.always_run_layers(model.config) for s in (always_runs, injects, both)] == [(3,), (3,), (1, 3)]
+    assert prune_layers(copy.deepcopy(model), always_runs, [1, 2]) == [1, 2]
+    with pytest.raises(ValueError, match=r"injects features at layers \[3\] by index; only layers after 3"):
+        prune_layers(model, injects, [2])
+    assert len(spec.get_layers(model)) == 6  # refused before anything was deleted
+    assert prune_layers(model, injects, [4]) == [4]
 
 
 def test_blocks_to_prune_reads_calibration_then_removal_order():

@@ -72,11 +72,7 @@ def prune_layers(model: nn.Module, spec: BackboneSpec, layers: Iterable[int]) ->
         raise InputError(f"layers {removed} are out of range: the decoder has {len(full)} layers")
     if len(removed) == len(full):
         raise InputError("pruning every decoder layer leaves no model")
-    config = unwrap_model(model).config
-    # Layers without attention (a hybrid's convolution layers) never skip because the kv-only path cannot run them,
-    # not because anything is injected at their index: pruning around them only renumbers them.
-    injected = sorted(i for i in spec.never_skip_layers(config)
-                      if getattr(full[i], spec.attention_attr, None) is not None)
+    injected = sorted(spec.feature_injection_layers(unwrap_model(model).config))
     if injected and removed[0] <= injected[-1]:
         raise InputError(f"cannot prune layers {removed}: the backbone injects features at layers {injected} by "
                          f"index; only layers after {injected[-1]} can be pruned")

@@ -63,11 +63,12 @@ STANDARD_FAMILIES = (
 
 for _model_type in STANDARD_FAMILIES:
     register_backbone(_model_type, STANDARD)
-register_backbone("qwen3_vl", BackboneSpec(never_skip_layers=_qwen3_vl_deepstack_layers))
+register_backbone("qwen3_vl", BackboneSpec(feature_injection_layers=_qwen3_vl_deepstack_layers))
 # Qwen3-VL-MoE: Qwen3-VL's deepstack with a mixture of experts as each layer's MLP, whose experts keep their output
 # projections stacked in one parameter (`mlp.experts.down_proj`) and add their outputs weighted per token: there is
 # no single linear layer to fold a replacement into.
-register_backbone("qwen3_vl_moe", BackboneSpec(never_skip_layers=_qwen3_vl_deepstack_layers, mlp_output_attr=None))
+register_backbone("qwen3_vl_moe", BackboneSpec(feature_injection_layers=_qwen3_vl_deepstack_layers,
+                                              mlp_output_attr=None))
 # Gemma 3 normalises the MLP output (post_feedforward_layernorm) before adding it to the stream.
 register_backbone("gemma3", BackboneSpec(mlp_output_attr=None))
 # Cohere 2 text (Aya Vision, Command A Vision): each layer adds attention and MLP, both fed by `input_layernorm`, to

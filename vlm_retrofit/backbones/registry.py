@@ -100,7 +100,7 @@ class AttentionParts(NamedTuple):
     """Whether the key norm normalises the whole key projection (OLMoE) rather than each head (Qwen3)."""
 
 
-_OF_CONFIG = ("text_config", "never_skip_layers", "image_token_ids")
+_OF_CONFIG = ("text_config", "never_skip_layers", "feature_injection_layers", "image_token_ids")
 """BackboneSpec fields that are functions of the model's config."""
 
 
@@ -140,7 +140,13 @@ class BackboneSpec:
     text_config: Callable[[Any], Any] = _default_text_config
     """Maps the top-level config to the language model's config."""
     never_skip_layers: Callable[[Any], Sequence[int]] = _no_layers
-    """Layers that must never be skipped (e.g. where visual features are injected into the stream)."""
+    """Layers that always run because a skipped token could not run them (a hybrid's layers without attention keep
+    a recurrent state, not keys and values, so they have no kv-only path). Pruning removes layers around them and
+    renumbers them."""
+    feature_injection_layers: Callable[[Any], Sequence[int]] = _no_layers
+    """Layers after which the backbone adds features to the stream by layer index (Qwen3-VL's deepstack visual
+    features). They never skip, and a pruned release may delete no layer at or before the last of them: the kept
+    layers would be renumbered and the features land elsewhere."""
     image_token_ids: Callable[[Any], frozenset[int]] = _default_image_token_ids
     """Input ids that are placeholders for visual features."""
     mlp_output_attr: str | None = "mlp.down_proj"
@@ -150,7 +156,8 @@ class BackboneSpec:
     def __post_init__(self) -> None:
         # A value where a function belongs ("model", (0, 1), {90}) failed only later, as "'tuple' object is not
         # callable" from deep inside routing.
-        for name in ("decoder", "lm_head", "uses_rotary", "text_config", "never_skip_layers", "image_token_ids"):
+        for name in ("decoder", "lm_head", "uses_rotary", "text_config", "never_skip_layers", "feature_injection_layers",
+                     "image_token_ids"):
             value = getattr(self, name)
             if not callable(value):
                 of = "the config" if name in _OF_CONFIG else "the model or module"
@@ -185,6 +192,11 @@ class BackboneSpec:
 
     def get_text_config(self, model: nn.Module) -> Any:
         return self.text_config(unwrap_model(model).config)
+
+    def always_run_layers(self, config: Any) -> tuple[int, ...]:
+        """The layers that never skip on a model of top-level `config`, ascending: `never_skip_layers` and
+        `feature_injection_layers` together."""
+        return tuple(sorted({*self.never_skip_layers(config), *self.feature_injection_layers(config)}))
 
     def attention_parts(self, layer: nn.Module) -> AttentionParts:
         attention = _kv_part(layer, self.attention_attr, "attention_attr", "the self-attention module")

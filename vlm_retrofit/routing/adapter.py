@@ -57,7 +57,7 @@ class RouterAdapter(nn.Module):
         self.config = config
         self.spec: BackboneSpec = spec
         self.fingerprint = base_fingerprint(model)
-        self.layout: BlockLayout = config.layout(len(layers), spec.never_skip_layers(unwrap_model(model).config))
+        self.layout: BlockLayout = config.layout(len(layers), spec.always_run_layers(unwrap_model(model).config))
         hidden_size = int(text_config.hidden_size)
         device = next(iter(layers.parameters())).device
         generator = torch.Generator().manual_seed(0)
@@ -484,8 +484,8 @@ def read_adapter_config(directory: str | os.PathLike) -> dict[str, Any]:
 
 def check_layout(saved: Mapping[str, Any] | None, layout: BlockLayout, *, source: str) -> None:
     """Refuse routers trained on another block layout than the one they would run with here: the same router
-    config gives another one where the backbone's registration differs (`BackboneSpec.never_skip_layers`), and
-    the routers would then skip blocks they were trained never to skip."""
+    config gives another one where the backbone's registration differs (`BackboneSpec.never_skip_layers`,
+    `feature_injection_layers`), and the routers would then skip blocks they were trained never to skip."""
     if saved is None:  # written before layouts were recorded
         return
     now = layout.to_dict()
@@ -494,8 +494,8 @@ def check_layout(saved: Mapping[str, Any] | None, layout: BlockLayout, *, source
         details = "; ".join(f"{k}: saved {a} vs now {b}" for k, (a, b) in differing.items())
         raise AdapterMismatchError(
             f"{source} was trained with another block layout than its router config gives on this backbone "
-            f"({details}): the backbone is registered differently here (BackboneSpec.never_skip_layers). Register it "
-            "as it was when the routers were trained")
+            f"({details}): the backbone is registered differently here (BackboneSpec.never_skip_layers / "
+            "feature_injection_layers). Register it as it was when the routers were trained")
 
 
 SAMPLE_KEYS = ("weight_samples", "projection_samples")

@@ -20,7 +20,8 @@ class RouterConfig:
     """Blocks that skipping may remove; None = every block that is not never-skip."""
     never_skip_blocks: list[int] | None = None
     """Blocks that always run. None = the first and the last block. Blocks holding a layer the backbone
-    marks as never-skip (e.g. Qwen3-VL deepstack injection) are added in any case."""
+    keeps running (`BackboneSpec.never_skip_layers`, `feature_injection_layers`: a hybrid's recurrent layers, Qwen3-VL's
+    deepstack injection) are added in any case."""
     key_norm_eps: float = 1e-6
     """Epsilon of the RMSNorm applied to each source before it is scored."""
     source_bias: bool = True
@@ -86,8 +87,9 @@ class RouterConfig:
         never = check("never_skip_blocks", self.never_skip_blocks) if self.never_skip_blocks is not None else {0, num_blocks - 1}
         outside = [layer for layer in backbone_never_skip_layers if not 0 <= layer < num_layers]
         if outside:  # dropped silently before: the layer meant to run always could then be skipped
-            raise InputError(f"the backbone spec's never_skip_layers names layer(s) {outside}, but this backbone has "
-                             f"{num_layers} layers (0..{num_layers - 1}): fix the family's BackboneSpec")
+            raise InputError(f"the backbone spec's never_skip_layers / feature_injection_layers name layer(s) "
+                             f"{outside}, but this backbone has {num_layers} layers (0..{num_layers - 1}): fix the "
+                             "family's BackboneSpec")
         never |= {block_of_layer[layer] for layer in backbone_never_skip_layers}
         candidates = check("skippable_blocks", self.skippable_blocks) if self.skippable_blocks is not None else set(range(num_blocks))
         return BlockLayout(

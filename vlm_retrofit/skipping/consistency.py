@@ -107,7 +107,7 @@ def _check_coverage(model: nn.Module, layout: Any, wrote: set[int], config: Rout
     if not layer_types or len(set(layer_types)) < 2:
         return
     skippable = set(layout.layers_of_blocks(layout.skippable_blocks))
-    kept_by_spec = set(resolve(model).never_skip_layers(model.config))
+    kept_by_spec = set(resolve(model).always_run_layers(model.config))
     caller_chose = config is not None and (config.never_skip_blocks is not None or config.skippable_blocks is not None)
     edges = set(layout.layers_of_blocks([0, len(layout.block_starts) - 1]))
     for kind in sorted(set(layer_types)):
