@@ -56,7 +56,7 @@ class RouterConfig:
             raise InputError(f"unknown RouterConfig field(s) {unknown}; valid fields: {sorted(known)}")
         return cls(**data)
 
-    def layout(self, num_layers: int, backbone_never_skip_layers: Iterable[int] = ()) -> "BlockLayout":
+    def layout(self, num_layers: int, backbone_always_run_layers: Iterable[int] = ()) -> "BlockLayout":
         """Resolve block boundaries and skippability for a decoder with `num_layers` layers."""
         if self.block_starts is not None:
             starts = list(self.block_starts)
@@ -85,12 +85,12 @@ class RouterConfig:
             return set(blocks)
 
         never = check("never_skip_blocks", self.never_skip_blocks) if self.never_skip_blocks is not None else {0, num_blocks - 1}
-        outside = [layer for layer in backbone_never_skip_layers if not 0 <= layer < num_layers]
+        outside = [layer for layer in backbone_always_run_layers if not 0 <= layer < num_layers]
         if outside:  # dropped silently before: the layer meant to run always could then be skipped
             raise InputError(f"the backbone spec's never_skip_layers / feature_injection_layers name layer(s) "
                              f"{outside}, but this backbone has {num_layers} layers (0..{num_layers - 1}): fix the "
                              "family's BackboneSpec")
-        never |= {block_of_layer[layer] for layer in backbone_never_skip_layers}
+        never |= {block_of_layer[layer] for layer in backbone_always_run_layers}
         candidates = check("skippable_blocks", self.skippable_blocks) if self.skippable_blocks is not None else set(range(num_blocks))
         return BlockLayout(
             num_layers=num_layers,
