@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from . import efficientnet_tower  # noqa: F401  registers the vision tower's config before any loading
     from .data import write_bench_shards
-    from .real_vlm import build_real_vlm
+    from .real_vlm import build_real_vlm, weights_digest
     from .sweep import Bench, measure_adapter, rank_blocks
 
     manifest = write_bench_shards()
@@ -71,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
         "date": time.strftime("%Y-%m-%d"),
         "machine": machine(args),
         "adapter": repository_path(args.adapter), "adapter_config": config,
-        "base": base, "settings": recorded_settings(args, leave_out=("adapter", "out")),
+        "backbone_weights": weights_digest(args.backbone),
+        "base": {**base, "continuations": bench.fingerprint()["continuations"]}, "settings": recorded_settings(args, leave_out=("adapter", "out")),
         "records": records, "seconds": round(time.time() - started, 1),
     }
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -111,6 +111,12 @@ def write_report(results: dict[str, Any], out_dir: Path) -> None:
         "",
         f"* base: held-out Austen perplexity {results['base']['ppl']:.2f}, caption ROUGE-L {results['base']['rouge_l']:.3f}, "
         f"decode {results['base']['speed_b1']:.1f} tok/s (batch 1), {results['base']['speed_b8']:.1f} tok/s (batch 8)",
+    ]
+    if results.get("backbone_weights"):
+        # A rebuilt projector changes every caption figure (not the text perplexity): name the build measured.
+        lines.append(f"* real VLM build: weights {results['backbone_weights']}, base captions "
+                     f"{results['base'].get('continuations', '?')} (caption figures compare only within one build)")
+    lines += [
         f"* router overhead with skipping off (retrofit ÷ base decode time, batch 1"
         + (f"; routers of {results['router_overhead_measured_on']}" if results.get("router_overhead_measured_on") else "")
         + f"): {_fmt(results['router_overhead'])}",

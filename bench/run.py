@@ -235,12 +235,16 @@ def removal_settings(variant: Variant, orders: dict[str, list[int]], max_removed
 COMPUTE_COUNTED_ON = "real text positions"
 
 
-def training_key(variant: Variant, removal: dict[str, Any], decay_over: str = "steps") -> dict[str, Any]:
+def training_key(variant: Variant, removal: dict[str, Any], decay_over: str = "steps",
+                 backbone_weights: str | None = None) -> dict[str, Any]:
     """What a reused adapter of `variant` must have been trained with (its train_info.json): the removal
-    settings `removal`; for a decaying variant under `decay_over="budget"`, that decay (adapters trained before it
-    decayed over their steps); for a variant pulled to a compute target, what that target counted and whether
-    image positions could skip."""
+    settings `removal`; the real VLM build `backbone_weights` (`real_vlm.weights_digest`: a rebuilt projector
+    gives the teacher other outputs on every image) where given; for a decaying variant under
+    `decay_over="budget"`, that decay (adapters trained before it decayed over their steps); for a variant pulled
+    to a compute target, what that target counted and whether image positions could skip."""
     key = {**removal, "overrides": None}  # `bench.heal --set` trained another recipe than the variant's
+    if backbone_weights is not None:
+        key["backbone_weights"] = backbone_weights
     if variant.steps and decay_over == "budget":
         key["decay_over"] = "budget"
     if variant.module.get("compute_target") is None:
@@ -352,6 +356,8 @@ def train_variant(variant: Variant, backbone: str, shards: dict[str, Any], minut
     from vlm_retrofit.datamodules import WebDatasetDataModule
     from vlm_retrofit.training import RetrofitModule
 
+    from .real_vlm import weights_digest
+
     out = runs / variant.name
     info_path = out / "train_info.json"
     if info_path.is_file():
@@ -414,6 +420,7 @@ def train_variant(variant: Variant, backbone: str, shards: dict[str, Any], minut
             **({"compute_counted_on": COMPUTE_COUNTED_ON, "skip_image_positions": module.adapter.skip_image_positions}
                if module.hparams.compute_target is not None else {}),
             "device": device, "dtype": dtype or "float32", "precision": precision,
+            "backbone_weights": weights_digest(backbone),
             "step_seconds": sum(steady) / max(1, len(steady)), "peak_rss_mb": _peak_rss_mb(),
             **({"peak_cuda_mb": round(torch.cuda.max_memory_allocated() / 2 ** 20, 1)} if cuda else {}),
             # Mean training KL per tenth of the run (the removal prefix is random per step: read the trend).
@@ -563,11 +570,12 @@ def main(argv: list[str] | None = None) -> int:
 
     from . import efficientnet_tower  # noqa: F401  registers the vision tower's config before any loading
     from .data import write_bench_shards
-    from .real_vlm import build_real_vlm
+    from .real_vlm import build_real_vlm, weights_digest
 
     manifest = write_bench_shards()
     args.backbone = str(build_real_vlm())
-    log(f"assets ready: real VLM at {args.backbone}; shards in {manifest['root']}")
+    backbone_weights = weights_digest(args.backbone)
+    log(f"assets ready: real VLM at {args.backbone} (weights {backbone_weights}); shards in {manifest['root']}")
     shards = training_shards(manifest)
     model, processor, data, load_model = load_for_measuring(args, manifest)
     runs = Path(args.runs)
@@ -590,7 +598,8 @@ def main(argv: list[str] | None = None) -> int:
     removals = {v.name: removal_settings(v, orders, max_removed_blocks, speed_removed_blocks, min_target_blocks,
                                          target_blocks) for v in variants}
     decay_over = "steps" if args.train_steps else args.decay_over
-    stale = stale_runs(variants, runs, {v.name: training_key(v, removals[v.name], decay_over) for v in variants})
+    stale = stale_runs(variants, runs, {v.name: training_key(v, removals[v.name], decay_over, backbone_weights)
+                                        for v in variants})
     if stale:  # refused before any work: reusing them would mislabel rows
         raise SystemExit("trained adapters that do not match this run's training (delete them to retrain):\n  "
                          + "\n  ".join(stale))
@@ -623,7 +632,8 @@ def main(argv: list[str] | None = None) -> int:
         "date": time.strftime("%Y-%m-%d"),
         "machine": machine(args),
         "backbone": "SmolLM2-135M-Instruct + EfficientNet-Lite0 features + trained LLaVA projector (bench/real_vlm.py)",
-        "base": base,
+        "backbone_weights": backbone_weights,
+        "base": {**base, "continuations": bench.fingerprint()["continuations"]},
         **overhead,
         "training": training,
         "settings": recorded_settings(args, leave_out=("out", "runs")),

@@ -47,6 +47,20 @@ def test_tensor_digest_sees_dtype_shape_and_bytes():
     assert bundle.tensor_digest(t.view(2, 3).t()) == bundle.tensor_digest(t.view(2, 3).t().contiguous())
 
 
+def test_weights_digest_names_one_build_and_refuses_a_folder_without_weights(tmp_path):
+    (tmp_path / "model-00001.safetensors").write_bytes(b"projector A")
+    (tmp_path / "model-00002.safetensors").write_bytes(b"language model")
+    (tmp_path / "config.json").write_text("{}")
+    first = real_vlm.weights_digest(tmp_path)
+    assert len(first) == 16 and real_vlm.weights_digest(tmp_path) == first
+    (tmp_path / "config.json").write_text('{"other": 1}')  # only the weights identify a build
+    assert real_vlm.weights_digest(tmp_path) == first
+    (tmp_path / "model-00001.safetensors").write_bytes(b"projector B")  # a rebuilt projector
+    assert real_vlm.weights_digest(tmp_path) != first
+    with pytest.raises(FileNotFoundError, match="no \\*.safetensors in .*build the real VLM first"):
+        real_vlm.weights_digest(tmp_path / "empty")
+
+
 def _fake_data(data: Path) -> None:
     files = {
         "shards/captions-train/captions-train-000000.tar": b"tar",
@@ -133,6 +147,8 @@ def test_pack_then_unpack_rebuilds_the_model_exactly_and_relocates_the_data(tmp_
     expected = model.state_dict()
     assert rebuilt.state_dict().keys() == expected.keys()
     assert all(torch.equal(v, expected[k]) for k, v in rebuilt.state_dict().items())
+    # The same build by its digest: adapters trained on the packing machine are reused here (`bench.run`'s key).
+    assert real_vlm.weights_digest(there / "real_vlm") == real_vlm.weights_digest(tmp_path / "built" / "real_vlm")
     manifest = json.loads((there / "data" / "shards" / "bench_data.json").read_text())
     assert manifest["shards"]["captions-train"]["dir"] == str((there / "data" / "shards" / "captions-train").resolve())
     assert Path(manifest["austen_test"]["path"]).read_text() == "It is a truth universally acknowledged."

@@ -201,8 +201,8 @@ def test_report_writes_json_markdown_and_plot(tmp_path):
     kept = {**record, "method": "ours-gate", "skipped_fraction": 0.21, "tf_skipped_fraction": 0.1,
             "tf_skipped_text_fraction": 0.2, "ppl_skipped_fraction": 0.19}  # image positions kept from skipping
     results = {"date": "2026-01-01", "machine": "test", "backbone": "tiny", "router_overhead": 1.05,
-               "router_time_share": 0.04,
-               "base": {"ppl": 50.0, "rouge_l": 0.35, "speed_b1": 10.0, "speed_b8": 40.0},
+               "router_time_share": 0.04, "backbone_weights": "0123456789abcdef",
+               "base": {"ppl": 50.0, "rouge_l": 0.35, "speed_b1": 10.0, "speed_b8": 40.0, "continuations": "feed"},
                "training": {"routed": {"steps": 3, "minutes": 1.0, "step_seconds": 2.0, "batch_size": 4,
                                        "peak_rss_mb": 100.0, "lr": 2e-3, "query_lr_scale": 0.04,
                                        "max_removed_blocks": 9, "min_removed_blocks": 6},
@@ -223,6 +223,7 @@ def test_report_writes_json_markdown_and_plot(tmp_path):
     assert "| static-greedy-impact | 0.20 | 0.190 |" in table and "router overhead" in table
     assert "| 1.100 (1.04–1.16) | – |" in table  # the median of the paired rounds with their range
     assert "4.0%, i.e. overhead 1.042" in table
+    assert "real VLM build: weights 0123456789abcdef, base captions feed" in table  # which build's captions these are
     assert "| 0.210 / 0.100 (text 0.200) / 0.190 |" in table  # the caption passes' text positions beside all
     assert "lr 0.002, queries at 0.04x lr, removal schedule k = 6..9" in table
     assert "lr 0.002 (cosine to 0.1x over 3 steps), routers off (identity, untrained): LoRA only" in table
@@ -397,6 +398,16 @@ def test_adapters_trained_otherwise_are_found_before_any_work(tmp_path):
     stale = stale_runs(variants, tmp_path, budget)
     assert sorted(line.split(": ")[0].rsplit("/", 1)[-1] for line in stale) == ["gate", "lora_mlp_joint_plain",
                                                                               "lora_mlp_span"]
+    # An adapter trained on another build of the real VLM (a rebuilt projector: the teacher's outputs on every image
+    # differ) is stale, whatever its removal; one trained on this build is not.
+    (tmp_path / "routed_static" / "train_info.json").write_text(json.dumps(
+        {"steps": 3, **expected["routed_static"], "backbone_weights": "aaaa"}))
+    built = {"routed_static": training_key(VARIANTS["routed_static"], expected["routed_static"], "budget", "aaaa")}
+    assert built["routed_static"]["backbone_weights"] == "aaaa"
+    assert stale_runs([VARIANTS["routed_static"]], tmp_path, built) == []
+    built = {"routed_static": training_key(VARIANTS["routed_static"], expected["routed_static"], "budget", "bbbb")}
+    (stale,) = stale_runs([VARIANTS["routed_static"]], tmp_path, built)
+    assert "routed_static" in stale and "'backbone_weights': 'aaaa'" in stale and "bbbb" in stale
 
 
 def test_an_adapter_healed_by_hand_is_reused_only_as_the_variant_trains_it(tmp_path):
@@ -433,6 +444,7 @@ def test_train_only_trains_every_variant_for_its_own_removal_and_measures_nothin
     config = types.SimpleNamespace(get_text_config=lambda: types.SimpleNamespace(num_hidden_layers=30))
     monkeypatch.setattr(bench.data, "write_bench_shards", lambda: {"root": "shards"})
     monkeypatch.setattr(bench.real_vlm, "build_real_vlm", lambda: "vlm")
+    monkeypatch.setattr(bench.real_vlm, "weights_digest", lambda path: "digest")
     monkeypatch.setattr(run, "CACHE", tmp_path / "cache")
     monkeypatch.setattr(run, "training_shards", lambda manifest: {})
     monkeypatch.setattr(run, "load_for_measuring", lambda args, manifest: (
