@@ -188,17 +188,18 @@ VARIANTS = {
                                   {**GATES, "skip_candidates": 5, "compute_target": 0.8}),
     "recent_weight": Variant("recent_weight", "recent_weight", {"block_size": 1},
                              {**TEXT_KL, "use_gates": False, "max_drop_rate": 0.3, "drop_warmup_steps": 50}),
+    # `gate` with LoRA healing (r 8 on q/v) trained beside the gates, under the same simulated skipping.
     "gate_lora": Variant("gate_lora", "gate", {"block_size": 1, "skip_gate": True},
                          {**GATES, "lora": {"r": 8, "lora_alpha": 16,
                                             "target_modules": r".*language_model.*\.(q_proj|v_proj)"}}),
 }
 
 
-# What `make bench` trains and measures: our routers without LoRA (static, per-token gates, the ReSkip rule), LoRA
-# healing from plain removal at each target, and from a layer replacement at 20 %. The variants they superseded stay
-# selectable with --variants (their last table rows are in RESULTS.md's earlier runs).
+# What `make bench` trains and measures: our routers without LoRA (static, per-token gates, the ReSkip rule), the
+# gates with LoRA healing, LoRA healing from plain removal at each target, and from a layer replacement at 20 %. The
+# variants they superseded stay selectable with --variants (their last table rows are in RESULTS.md's earlier runs).
 DEFAULT_VARIANTS = ["routed_static", "lora_mlp_span", "lora_mlp_span_t10", "lora_mlp_span_t30", "lora_mlp_span_layer",
-                    "gate", "gate_b3_candidates", "recent_weight"]
+                    "gate", "gate_lora", "gate_b3_candidates", "recent_weight"]
 
 
 def selected_variants(names: list[str], train_steps: int | None = None) -> list[Variant]:
