@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine(args),
         "adapter": repository_path(args.adapter), "adapter_config": config,
         "backbone_weights": weights_digest(args.backbone),
-        "base": {**base, "continuations": bench.fingerprint()["continuations"]},
+        "base": base,
         "settings": recorded_settings(args, leave_out=("adapter", "out")),
         "records": records, "seconds": round(time.time() - started, 1),
     }

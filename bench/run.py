@@ -634,7 +634,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine(args),
         "backbone": "SmolLM2-135M-Instruct + EfficientNet-Lite0 features + trained LLaVA projector (bench/real_vlm.py)",
         "backbone_weights": backbone_weights,
-        "base": {**base, "continuations": bench.fingerprint()["continuations"]},
+        "base": base,
         **overhead,
         "training": training,
         "settings": recorded_settings(args, leave_out=("out", "runs")),

@@ -91,6 +91,7 @@ class Bench:
         return self.tokenizer.decode(tokens[0], skip_special_tokens=True).strip()
 
     def measure_base(self) -> dict[str, Any]:
+        """Runs the base on the eval set and keeps its outputs; returns its metrics and its continuations' hash."""
         continuations, logits, captions = [], [], []
         for inputs in self.data.captions:
             tokens, _, _ = greedy(self.model, inputs, self.new_tokens, nullmethod, self.pad)
@@ -104,7 +105,9 @@ class Bench:
             "speed_b1": decode_speed(self.model, self.data.captions[0], nullmethod, self.pad),
             "speed_b8": decode_speed(self.model, self.data.batch8, nullmethod, self.pad),
         }
-        return {k: v for k, v in self.base.items() if isinstance(v, float)}
+        # The continuations' hash names the build measured: a rebuilt projector changes the captions, not the ppl.
+        return {**{k: v for k, v in self.base.items() if isinstance(v, float)},
+                "continuations": self.fingerprint()["continuations"]}
 
     def measure(self, method: Method, *, speed: bool, text_method: Method | None = None) -> dict[str, Any]:
         """Quality under `method` (on the Austen chunks under `text_method` when given: a per-token policy

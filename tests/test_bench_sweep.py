@@ -44,6 +44,13 @@ def _run(bench: Bench, cache: Path, key: dict, reuse: bool, joint=(3, 4, 2)) -> 
                              key=key, reuse=reuse, span_order=[4, 3, 2])
 
 
+def test_the_base_record_names_its_captions_as_the_baseline_key_does():
+    bench = _bench()
+    base = bench.measure_base()  # what results.json records as "base"
+    assert set(base) == {"ppl", "rouge_l", "speed_b1", "speed_b8", "continuations"}
+    assert base["continuations"] == bench.fingerprint()["continuations"] and len(base["continuations"]) == 16
+
+
 def test_baselines_are_reused_only_under_the_same_key_and_their_speed_is_measured_again(tmp_path):
     bench = _bench()
     cache = tmp_path / "baselines.json"
