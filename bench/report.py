@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,14 @@ def _speed(record: dict[str, Any], batch: str) -> str:
     return _fmt(value) + (f" ({spread[0]:.2f}–{spread[1]:.2f})" if value is not None and spread else "")
 
 
+def _lora_targets(targets: str | list[str] | None) -> str:
+    """` on q_proj/v_proj` from a LoRA's target modules: a list, or a regex ending in an alternation."""
+    if isinstance(targets, (list, tuple)):
+        return " on " + "/".join(targets)
+    names = re.search(r"\(([^()]*)\)\)?$", targets or "")
+    return f" on {names.group(1).replace('|', '/')}" if names else (f" on {targets}" if targets else "")
+
+
 def _recipe(info: dict[str, Any]) -> str:
     """How a variant was trained, from its train_info (older runs recorded less: only what is there)."""
     parts = []
@@ -32,6 +41,8 @@ def _recipe(info: dict[str, Any]) -> str:
         parts.append(f"{info.get('precision') or info['dtype']} steps")
     if info.get("precision") and info.get("dtype") not in (None, "float32"):
         parts.append(f"frozen weights in {info['dtype']}")
+    if info.get("lora"):
+        parts.append(f"LoRA r {info['lora'].get('r', '?')}" + _lora_targets(info["lora"].get("target_modules")))
     if info.get("train_routers") is False:
         parts.append("routers off (identity, untrained): LoRA only")
     elif info.get("query_lr_scale") is not None:

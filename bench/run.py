@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -236,14 +237,22 @@ def removal_settings(variant: Variant, orders: dict[str, list[int]], max_removed
 COMPUTE_COUNTED_ON = "real text positions"
 
 
+def recipe_digest(variant: Variant) -> str:
+    """The variant's definition (router, module arguments, step count) as 12 hex digits of SHA-256, recorded in
+    train_info.json: an adapter trained before its definition changed (e.g. LAYER_HEALING's passes) is stale."""
+    text = json.dumps({"router": variant.router, "module": variant.module, "steps": variant.steps}, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
 def training_key(variant: Variant, removal: dict[str, Any], decay_over: str = "steps",
                  backbone_weights: str | None = None) -> dict[str, Any]:
-    """What a reused adapter of `variant` must have been trained with (its train_info.json): the removal
-    settings `removal`; the real VLM build `backbone_weights` (`real_vlm.weights_digest`: a rebuilt projector
+    """What a reused adapter of `variant` must have been trained with (its train_info.json): its definition
+    (`recipe_digest`); the removal settings `removal`; the real VLM build `backbone_weights` (`real_vlm.weights_digest`: a rebuilt projector
     gives the teacher other outputs on every image) where given; for a decaying variant under
     `decay_over="budget"`, that decay (adapters trained before it decayed over their steps); for a variant pulled
     to a compute target, what that target counted and whether image positions could skip."""
-    key = {**removal, "overrides": None}  # `bench.heal --set` trained another recipe than the variant's
+    key = {**removal, "recipe": recipe_digest(variant),
+           "overrides": None}  # `bench.heal --set` trained another recipe than the variant's
     if backbone_weights is not None:
         key["backbone_weights"] = backbone_weights
     if variant.steps and decay_over == "budget":
@@ -417,7 +426,8 @@ def train_variant(variant: Variant, backbone: str, shards: dict[str, Any], minut
             "removal_order": module.adapter.removal_order, "max_removed_blocks": module.hparams.max_removed_blocks,
             "min_removed_blocks": module.hparams.min_removed_blocks,
             "query_lr_scale": module.hparams.query_lr_scale, "distill_positions": module.hparams.distill_positions,
-            "train_routers": module.hparams.train_routers,
+            "train_routers": module.hparams.train_routers, "recipe": recipe_digest(variant),
+            **({"lora": dict(module.hparams.lora)} if module.hparams.lora else {}),
             **({"compute_counted_on": COMPUTE_COUNTED_ON, "skip_image_positions": module.adapter.skip_image_positions}
                if module.hparams.compute_target is not None else {}),
             "device": device, "dtype": dtype or "float32", "precision": precision,

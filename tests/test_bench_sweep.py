@@ -1,6 +1,7 @@
 """bench/sweep.py, report.py and run.py on a tiny model: baselines reused only under the same key; report files;
 the variant selection."""
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -215,8 +216,11 @@ def test_report_writes_json_markdown_and_plot(tmp_path):
                                        "max_removed_blocks": 9, "min_removed_blocks": 6},
                             "plain": {"steps": 3, "minutes": 1.0, "step_seconds": 2.0, "batch_size": 4,
                                       "peak_rss_mb": 100.0, "lr": 2e-3, "schedule": "cosine to 0.1x over 3 steps",
-                                      "fit_seconds": 48.0,
+                                      "fit_seconds": 48.0, "lora": {"r": 16, "target_modules": ["q_proj", "down_proj"]},
                                       "query_lr_scale": 0.04, "train_routers": False},
+                            "gated": {"steps": 3, "minutes": 1.0, "step_seconds": 2.0, "batch_size": 4,
+                                      "peak_rss_mb": 100.0, "query_lr_scale": 0.04, "train_routers": True,
+                                      "lora": {"r": 8, "target_modules": r".*language_model.*\.(q_proj|v_proj)"}},
                             "layer": {"steps": 3, "minutes": 1.0, "step_seconds": 2.0, "batch_size": 4,
                                       "peak_rss_mb": 100.0, "replacement_fit_seconds": 24.0,
                                       "replacement": {"replacement": "layer", "replacement_batches": 192,
@@ -233,7 +237,9 @@ def test_report_writes_json_markdown_and_plot(tmp_path):
     assert "real VLM build: weights 0123456789abcdef, base captions feed" in table  # which build's captions these are
     assert "| 0.210 / 0.100 (text 0.200) / 0.190 |" in table  # the caption passes' text positions beside all
     assert "lr 0.002, queries at 0.04x lr, removal schedule k = 6..9" in table
-    assert "lr 0.002 (cosine to 0.1x over 3 steps), routers off (identity, untrained): LoRA only" in table
+    assert ("lr 0.002 (cosine to 0.1x over 3 steps), LoRA r 16 on q_proj/down_proj, routers off (identity, "
+            "untrained): LoRA only") in table
+    assert "`gated`: 3 steps in 1.0 min, 2.00 s/step (batch 4), peak RSS 100 MB; LoRA r 8 on q_proj/v_proj, queries" in table
     assert "`plain`: 3 steps in 0.8 of 1 min" in table and "`routed`: 3 steps in 1.0 min" in table
     assert ("layer replacement fitted first (192 batches, 8 passes): 0.4 min of the budget, "
             "overridden: replacement_epochs=8") in table
@@ -367,7 +373,7 @@ def test_training_precision_follows_the_device_and_the_options(monkeypatch):
 
 
 def test_adapters_trained_otherwise_are_found_before_any_work(tmp_path):
-    from bench.run import removal_settings, stale_runs, training_key
+    from bench.run import recipe_digest, removal_settings, stale_runs, training_key
 
     variants = selected_variants(["lora_mlp_joint_plain", "lora_mlp_span", "routed_static", "gate"])
     orders = {"impact": [1, 2, 3], "joint": [3, 1, 2], "span": [2, 3, 1]}
@@ -380,7 +386,7 @@ def test_adapters_trained_otherwise_are_found_before_any_work(tmp_path):
     assert elastic == {"removal_order": [2, 3, 1], "max_removed_blocks": 3, "min_removed_blocks": 1}  # every target's
     for variant in variants:  # as train_variant records them
         (tmp_path / variant.name).mkdir()
-        info = {"steps": 3, "removal_order": None, **expected[variant.name]}
+        info = {"steps": 3, "removal_order": None, **expected[variant.name], "recipe": recipe_digest(variant)}
         (tmp_path / variant.name / "train_info.json").write_text(json.dumps(info))
     assert stale_runs(variants, tmp_path, expected) == []
     orders["joint"] = [1, 3, 2]  # the joint order searched again
@@ -388,19 +394,22 @@ def test_adapters_trained_otherwise_are_found_before_any_work(tmp_path):
     assert len(stale) == 1 and "lora_mlp_joint_plain" in stale[0] and "[1, 3, 2]" in stale[0]
     # Gates pulled to a compute target that counted every position (before it counted real text only) are stale.
     keys = {v.name: training_key(v, expected[v.name]) for v in variants}
-    assert keys["gate"] == {"overrides": None, "compute_counted_on": "real text positions",
-                            "skip_image_positions": False}
-    assert keys["routed_static"] == {**expected["routed_static"], "overrides": None}
+    assert keys["gate"] == {"recipe": recipe_digest(VARIANTS["gate"]), "overrides": None,
+                            "compute_counted_on": "real text positions", "skip_image_positions": False}
+    assert keys["routed_static"] == {**expected["routed_static"], "recipe": recipe_digest(VARIANTS["routed_static"]),
+                                     "overrides": None}
     stale = stale_runs(variants, tmp_path, keys)
     assert len(stale) == 1 and "gate" in stale[0] and "compute_counted_on" in stale[0]
     # Gates trained with image positions skipping, measured with them running, are stale too.
-    info = {"steps": 3, "compute_counted_on": "real text positions", "skip_image_positions": True}
+    info = {"steps": 3, "compute_counted_on": "real text positions", "skip_image_positions": True,
+            "recipe": recipe_digest(VARIANTS["gate"])}
     (tmp_path / "gate" / "train_info.json").write_text(json.dumps(info))
     stale = stale_runs(variants, tmp_path, keys)
     assert len(stale) == 1 and "skip_image_positions" in stale[0]
     # LoRA healing decayed over its steps is stale for a run that decays over the budget, and the gates unaffected.
     budget = {v.name: training_key(v, expected[v.name], "budget") for v in variants}
-    assert budget["lora_mlp_span"] == {**expected["lora_mlp_span"], "overrides": None, "decay_over": "budget"}
+    assert budget["lora_mlp_span"] == {**expected["lora_mlp_span"], "recipe": recipe_digest(VARIANTS["lora_mlp_span"]),
+                                       "overrides": None, "decay_over": "budget"}
     assert budget["gate"] == keys["gate"] and budget["routed_static"] == keys["routed_static"]
     stale = stale_runs(variants, tmp_path, budget)
     assert sorted(line.split(": ")[0].rsplit("/", 1)[-1] for line in stale) == ["gate", "lora_mlp_joint_plain",
@@ -408,7 +417,8 @@ def test_adapters_trained_otherwise_are_found_before_any_work(tmp_path):
     # An adapter trained on another build of the real VLM (a rebuilt projector: the teacher's outputs on every image
     # differ) is stale, whatever its removal; one trained on this build is not.
     (tmp_path / "routed_static" / "train_info.json").write_text(json.dumps(
-        {"steps": 3, **expected["routed_static"], "backbone_weights": "aaaa"}))
+        {"steps": 3, **expected["routed_static"], "backbone_weights": "aaaa",
+         "recipe": recipe_digest(VARIANTS["routed_static"])}))
     built = {"routed_static": training_key(VARIANTS["routed_static"], expected["routed_static"], "budget", "aaaa")}
     assert built["routed_static"]["backbone_weights"] == "aaaa"
     assert stale_runs([VARIANTS["routed_static"]], tmp_path, built) == []
@@ -418,7 +428,7 @@ def test_adapters_trained_otherwise_are_found_before_any_work(tmp_path):
 
 
 def test_an_adapter_healed_by_hand_is_reused_only_as_the_variant_trains_it(tmp_path):
-    from bench.run import removal_settings, stale_runs, training_key
+    from bench.run import recipe_digest, removal_settings, stale_runs, training_key
 
     variants = selected_variants(["lora_mlp_span_layer"])
     orders = {"impact": [4, 2, 3, 1], "joint": [3, 1, 2, 4], "span": [3, 2, 1, 4]}
@@ -427,7 +437,7 @@ def test_an_adapter_healed_by_hand_is_reused_only_as_the_variant_trains_it(tmp_p
     def recorded(order, **extra):
         (tmp_path / "lora_mlp_span_layer").mkdir(exist_ok=True)
         info = {"removal_order": order, "max_removed_blocks": 2, "min_removed_blocks": 2, "decay_over": "budget",
-                **extra}
+                "recipe": recipe_digest(variants[0]), **extra}
         (tmp_path / "lora_mlp_span_layer" / "train_info.json").write_text(json.dumps(info))
 
     recorded([3, 2, 1, 4])
@@ -439,6 +449,17 @@ def test_an_adapter_healed_by_hand_is_reused_only_as_the_variant_trains_it(tmp_p
     recorded([3, 2, 1, 4], overrides={"replacement_epochs": 12})  # `bench.heal --set`: another recipe
     (stale,) = stale_runs(variants, tmp_path, keys)
     assert "overrides" in stale and "replacement_epochs" in stale
+    # The variant's definition changed since (its passes, say): the adapter it trained before is stale, and one
+    # trained with the new definition's settings by `--set` records the new definition's digest.
+    changed = dataclasses.replace(variants[0], module={**variants[0].module, "replacement_epochs": 12})
+    assert recipe_digest(changed) != recipe_digest(variants[0])
+    recorded([3, 2, 1, 4])
+    (stale,) = stale_runs([changed], tmp_path, {changed.name: training_key(
+        changed, removal_settings(changed, orders, 3, 2), "budget")})
+    assert "recipe" in stale
+    # The digest is of the definition's content: a dict built in another key order reads the same.
+    shuffled = dataclasses.replace(changed, module=dict(reversed(list(changed.module.items()))))
+    assert recipe_digest(shuffled) == recipe_digest(changed)
 
 
 def test_train_only_trains_every_variant_for_its_own_removal_and_measures_nothing(monkeypatch, tmp_path):
