@@ -95,6 +95,8 @@ LORA_HEALING = {**ROUTED, "lora": LORA_ALL, "train_routers": False, "lora_b_lr_s
 # retrained first on 192 captured training batches, 8 passes; then the LoRA at half LORA_HEALING's rate.
 LAYER_HEALING = {**LORA_HEALING, "lr": 1e-3, "replace_removed": True, "replacement": "layer",
                  "replacement_batches": 192, "replacement_epochs": 8, "replacement_lr": 2e-3}
+# The same for a removal of several spans: every span's layer fitted from the full model's stream, one capture.
+MULTI_SPAN_LAYER_HEALING = {**LAYER_HEALING, "replacement_inputs": "full"}
 GATES = {**TEXT_KL, "use_gates": True, "max_drop_rate": 0.1, "compute_target": 0.7, "compute_weight": 5.0,
          "skip_image_positions": SKIP_IMAGE_POSITIONS}
 VARIANTS = {
@@ -156,13 +158,14 @@ VARIANTS = {
     # The layer-replacement recipe for the 10 and 30 % points, each trained for its own removal and measured there,
     # as `lora_mlp_span_t10` / `_t30` are for the plain start. The span order's first 3 layers (by single-block
     # impact inside the span) may form two spans, each replaced by the layer in front of it; its first 9 are the
-    # span and greedy joint picks beyond it. The replacement's settings are the 20 % point's, not tuned for these.
-    # Not in the default list: a layer is fitted per span, each on its own capture, so the fit grows with the spans
-    # (the 10 % removal {14}, {16, 17}: 15 of the 20 minutes on 2 CPU cores, some of it shared with other work,
-    # leaving 61 LoRA steps; the 30 % removal has three spans).
-    "lora_mlp_span_layer_t10": Variant("lora_mlp_span_layer_t10", "static", {"block_size": 1}, LAYER_HEALING,
+    # span and greedy joint picks beyond it. The replacement's settings are the 20 % point's, not tuned for these,
+    # except that every span's layer is fitted from the full model's stream, all captured in one forward
+    # (`replacement_inputs: full`): fitted each on its own capture with the earlier spans replaced, the 10 % removal
+    # {14}, {16, 17} took 15 of the 20 minutes on 2 CPU cores (some of it shared with other work), leaving 61 LoRA
+    # steps, and the 30 % removal has three spans ({5}, 13-18, {25, 26}).
+    "lora_mlp_span_layer_t10": Variant("lora_mlp_span_layer_t10", "static", {"block_size": 1}, MULTI_SPAN_LAYER_HEALING,
                                        fixed_removal=True, span_order=True, steps=240, removal_target=0.1),
-    "lora_mlp_span_layer_t30": Variant("lora_mlp_span_layer_t30", "static", {"block_size": 1}, LAYER_HEALING,
+    "lora_mlp_span_layer_t30": Variant("lora_mlp_span_layer_t30", "static", {"block_size": 1}, MULTI_SPAN_LAYER_HEALING,
                                        fixed_removal=True, span_order=True, steps=240, removal_target=0.3),
     # `lora_mlp_span`'s recipe for the 10 and 30 % points, each trained for its own removal (the span order's first
     # 3 / 9 blocks) and measured there: by hand in the 20-minute budget, x1.028 at 10 % and x1.175-1.207 at 30 %

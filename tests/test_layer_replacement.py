@@ -68,6 +68,47 @@ def test_fit_beats_plain_removal_and_folds_exactly(family):
     torch.testing.assert_close(folded_for_now, folded, atol=0, rtol=0)
 
 
+def test_full_span_inputs_take_one_forward_and_fit_later_spans_on_the_full_stream():
+    model, processor = tiny_vlm("llama", num_hidden_layers=7)
+    spec = resolve(model)
+    layers = spec.get_layers(model)
+    inputs = dict(tiny_inputs(processor, batch=3))
+    batches = [(inputs, inputs["attention_mask"].bool())] * 2
+    forwards = []
+    handle = layers[0].register_forward_hook(lambda *args: forwards.append(1))
+    try:
+        replaced = fit_layer_replacements(model, spec, REMOVED, batches, epochs=4, lr=3e-3)
+        assert len(forwards) == 2 * len(batches)  # the second span's input: once more with the first replaced
+        forwards.clear()
+        full = fit_layer_replacements(model, spec, REMOVED, batches, epochs=4, lr=3e-3, span_inputs="full")
+        assert len(forwards) == len(batches)  # every span's input and target from one forward
+    finally:
+        handle.remove()
+    # The first span reads the same stream either way; the second one is fitted to another input.
+    assert all(torch.equal(full[1][k], v) for k, v in replaced[1].items())
+    assert not all(torch.equal(full[3][k], v) for k, v in replaced[3].items())
+    # Fitted on the full model's stream, the second replacement alone (layers 4-5 removed, layer 2 kept) brings the
+    # stream after it closer to the full model's than removing 4-5 plainly.
+    mask = inputs["attention_mask"].bool()
+    captured = {}
+    hook = layers[6].register_forward_pre_hook(
+        lambda m, args, kwargs: captured.__setitem__("x", args[0] if args else kwargs["hidden_states"]), with_kwargs=True)
+    try:
+        with torch.no_grad():
+            model(**inputs, use_cache=False)
+            target = captured["x"][mask]
+            streams = {}
+            for name, states in (("plain", {}), ("fitted", {3: full[3]})):
+                with layers_removed(model, spec, [4, 5], substitutes(model, spec, states)):
+                    model(**inputs, use_cache=False)
+                streams[name] = captured["x"][mask]
+    finally:
+        hook.remove()
+    assert ((streams["fitted"] - target) ** 2).sum() < 0.9 * ((streams["plain"] - target) ** 2).sum()
+    with pytest.raises(ValueError, match="span_inputs must be 'replaced' or 'full'"):
+        fit_layer_replacements(model, spec, REMOVED, batches, span_inputs="teacher")
+
+
 def test_saved_and_checked_by_kind(tmp_path):
     model, _ = tiny_vlm("llama", num_hidden_layers=7)
     spec = resolve(model)
@@ -180,11 +221,30 @@ def test_shared_prefix_hands_the_substitute_its_input():
     assert shared._prefix_verified
 
 
+def test_the_module_fits_from_the_stream_its_replacement_inputs_name(monkeypatch):
+    import vlm_retrofit.training.module as module_file
+
+    seen = {}
+    fit = module_file.fit_layer_replacements
+
+    def recording(*args, **kwargs):
+        seen.update(kwargs)
+        return fit(*args, **kwargs)
+
+    monkeypatch.setattr(module_file, "fit_layer_replacements", recording)
+    _module(replacement_inputs="full").fit_replacement(_data(seed=0).train_batches[:1])
+    assert seen["span_inputs"] == "full"
+    _module().fit_replacement(_data(seed=0).train_batches[:1])
+    assert seen["span_inputs"] == "replaced"  # the default: each span fitted on what the student runs it on
+
+
 def test_module_refuses_bad_layer_replacement_settings():
     with pytest.raises(ValueError, match="replacement must be 'linear' or 'layer'"):
         _module(replacement="mean")
     with pytest.raises(ValueError, match="replacement_epochs >= 1 and replacement_lr > 0"):
         _module(replacement_epochs=0)
+    with pytest.raises(ValueError, match="replacement_inputs must be 'replaced' or 'full'"):
+        _module(replacement_inputs="teacher")
     with pytest.raises(ValueError, match="hidden_weight"):
         _module(hidden_weight=1.0)
     _module(backbone="tiny:gemma3")  # a normed MLP output refuses a linear replacement, not a layer one

@@ -102,33 +102,36 @@ def _to(value: Any, device: torch.device | str, dtype: torch.dtype | None = None
 
 
 def _captured(model: nn.Module, spec: BackboneSpec, batches: list[tuple[dict[str, Any], Tensor]], *,
-              inputs_of: int | None = None, outputs_of: list[int] = ()) -> list[dict[str, Any]]:
-    """Per batch, on the CPU: the hidden states layer `inputs_of` is called with and its other keyword arguments
-    (`input`, `kwargs`), and the outputs of the layers `outputs_of` (`out<i>`). The forward stops after the last of
-    them. Kept on the CPU: a large model's states for a few hundred batches would not fit beside it on a GPU."""
+              inputs_of: Iterable[int] = (), outputs_of: Iterable[int] = ()) -> list[dict[str, Any]]:
+    """Per batch, on the CPU: for each layer i of `inputs_of`, the hidden states it is called with and its other
+    keyword arguments (`in<i>`, `kwargs<i>`: a layer's attention mask can be its own, e.g. a sliding window), and
+    the outputs of the layers `outputs_of` (`out<i>`). The forward stops after the last of them. Kept on the CPU: a
+    large model's states for a few hundred batches would not fit beside it on a GPU."""
     from .backbones.registry import layer_hidden_states
     from .replacement import _first
 
     layers = spec.get_layers(model)
-    last = max([*outputs_of, *([] if inputs_of is None else [inputs_of])])
+    inputs_of, outputs_of = sorted(set(inputs_of)), sorted(set(outputs_of))
+    last_input, last_output = max(inputs_of, default=-1), max(outputs_of, default=-1)
     store: dict[str, Any] = {}
 
-    def take_input(_module, args, kwargs):
-        store["input"] = layer_hidden_states(args, kwargs).detach().cpu()
-        store["kwargs"] = _to({k: v for k, v in kwargs.items() if k != "hidden_states"}, "cpu")
-        if inputs_of == last and not outputs_of:
-            raise _Stop
+    def take_input(index):
+        def hook(_module, args, kwargs):
+            store[f"in{index}"] = layer_hidden_states(args, kwargs).detach().cpu()
+            store[f"kwargs{index}"] = _to({k: v for k, v in kwargs.items() if k != "hidden_states"}, "cpu")
+            if index == last_input and last_output < index:
+                raise _Stop
+        return hook
 
     def take_output(index):
         def hook(_module, _args, output):
             store[f"out{index}"] = _first(output).detach().cpu()
-            if index == last:
+            if index == last_output and last_input <= index:
                 raise _Stop
         return hook
 
     handles = [layers[i].register_forward_hook(take_output(i)) for i in outputs_of]
-    if inputs_of is not None:
-        handles.append(layers[inputs_of].register_forward_pre_hook(take_input, with_kwargs=True))
+    handles += [layers[i].register_forward_pre_hook(take_input(i), with_kwargs=True) for i in inputs_of]
     captured = []
     try:
         for inputs, _ in batches:
@@ -138,7 +141,8 @@ def _captured(model: nn.Module, spec: BackboneSpec, batches: list[tuple[dict[str
             except _Stop:
                 pass
             else:
-                raise RuntimeError(f"layer {last} never ran: it cannot be captured for a layer replacement")
+                raise RuntimeError(f"layer {max(last_input, last_output)} never ran: it cannot be captured for a "
+                                   "layer replacement")
             captured.append(dict(store))
     finally:
         for handle in handles:
@@ -157,13 +161,16 @@ def update_error(output: Tensor, target: Tensor, layer_input: Tensor, mask: Tens
 
 def fit_layer_replacements(model: nn.Module, spec: BackboneSpec, layers: Iterable[int],
                            batches: Iterable[tuple[dict[str, Any], Tensor]], *, epochs: int = 4, lr: float = 2e-3,
-                           seed: int = 0) -> dict[int, dict[str, Tensor]]:
+                           seed: int = 0, span_inputs: str = "replaced") -> dict[int, dict[str, Tensor]]:
     """Train one layer replacement per removed span of `layers` (keyed by the layer in front of it), in depth order.
 
     `batches`: (forward keywords, bool mask [B, T] of the positions to fit on). The model runs as given (put routers
     and LoRA out of the way first): once in full, up to the last span's last layer, for every span's target (the
-    full model's stream after it), and for a later span once more with the earlier spans replaced, for its input.
-    The replacement then trains `epochs` passes over what was captured (AdamW at `lr`, cosine to zero, the batches
+    full model's stream after it). Where a later span's replacement reads its input: `span_inputs="replaced"`, the
+    model with the earlier spans removed and replaced (what the student runs it on; one more forward over the
+    batches per span), or `"full"`, the full model's stream there, taken in that same single forward (a removal of
+    several spans costs one forward instead of one per span; the error of the earlier replacements is left to
+    what trains after). The replacement then trains `epochs` passes over what was captured (AdamW at `lr`, cosine to zero, the batches
     in a seeded order; fp32 weights, in eval mode as the student runs it). The layer in front starts from its own
     weights. Returns fp32 CPU state dicts of the plain layers.
     """
@@ -180,19 +187,23 @@ def fit_layer_replacements(model: nn.Module, spec: BackboneSpec, layers: Iterabl
         raise ValueError("fit_layer_replacements needs at least one batch")
     if epochs < 1:
         raise ValueError(f"epochs must be >= 1, got {epochs}")
+    if span_inputs not in ("replaced", "full"):
+        raise ValueError(f"span_inputs must be 'replaced' or 'full', got {span_inputs!r}")
     device = next(decoder_layers[fronts[0]].parameters()).device
     with torch.no_grad():
-        full = _captured(model, spec, batches, inputs_of=fronts[0], outputs_of=[span[-1] for span in spans])
+        full = _captured(model, spec, batches, inputs_of=fronts if span_inputs == "full" else fronts[:1],
+                         outputs_of=[span[-1] for span in spans])
     masks = [mask.cpu() for _, mask in batches]
     generator = torch.Generator().manual_seed(seed)
     states: dict[int, dict[str, Tensor]] = {}
     for number, (front, span) in enumerate(zip(fronts, spans)):
-        if number == 0:
-            inputs = full
+        if number == 0 or span_inputs == "full":
+            inputs, at = full, front
         else:  # the earlier spans removed and replaced renumber the layers: the front moves down by their length
             below = [layer for s in spans if s[-1] < span[0] for layer in s]
+            at = front - len(below)
             with torch.no_grad(), layers_removed(model, spec, below, substitutes(model, spec, states)):
-                inputs = _captured(model, spec, batches, inputs_of=front - len(below))
+                inputs = _captured(model, spec, batches, inputs_of=[at])
         trained = standalone_layer(decoder_layers[front]).float().eval().requires_grad_(True)
         optimizer = torch.optim.AdamW(trained.parameters(), lr=lr, weight_decay=0.0)
         # Without autocast the frozen weights' dtype (bf16) reaches the fp32 layer as is: fit it in fp32 throughout.
@@ -205,12 +216,12 @@ def fit_layer_replacements(model: nn.Module, spec: BackboneSpec, layers: Iterabl
             for _ in range(epochs):
                 for index in torch.randperm(len(usable), generator=generator).tolist():
                     batch = usable[index]
-                    layer_input = _to(inputs[batch]["input"], device, dtype)
+                    layer_input = _to(inputs[batch][f"in{at}"], device, dtype)
                     target = _to(full[batch][f"out{span[-1]}"], device, dtype)
                     mask = masks[batch].to(device)
                     for group in optimizer.param_groups:
                         group["lr"] = lr * 0.5 * (1 + math.cos(math.pi * step / total))
-                    output = trained(layer_input, **_to(inputs[batch]["kwargs"], device, dtype))
+                    output = trained(layer_input, **_to(inputs[batch][f"kwargs{at}"], device, dtype))
                     output = output[0] if isinstance(output, (tuple, list)) else output
                     loss = update_error(output, target, layer_input, mask)
                     optimizer.zero_grad(set_to_none=True)

@@ -103,6 +103,7 @@ class RetrofitModule(pl.LightningModule):
         replacement: Literal["linear", "layer"] = "linear",
         replacement_epochs: int = 4,
         replacement_lr: float = 2e-3,
+        replacement_inputs: Literal["replaced", "full"] = "replaced",
         distill_positions: Literal["response", "text"] = "response",
         max_drop_rate: float = 0.25,
         drop_warmup_steps: int = 20,
@@ -179,6 +180,11 @@ class RetrofitModule(pl.LightningModule):
                 compute of removing the span (its LoRA on that layer is not used).
             replacement_epochs: passes of a `layer` replacement's fit over its captured batches.
             replacement_lr: peak AdamW rate of that fit (cosine to zero).
+            replacement_inputs: what a `layer` replacement of a later removed span is fitted from. `replaced`: the
+                stream of the model with the earlier spans already removed and replaced, as the student runs it
+                (one more forward over the batches per span). `full`: the full model's stream, captured in the
+                same forward as every target (one forward for any number of spans: minutes less on a CPU; the
+                LoRA then heals what the earlier replacements leave). The same for a removal of one span.
             distill_positions: where the KL is taken: `response` = the datamodule's `loss_mask` (the answer
                 tokens); `text` = every real, non-image position (prompts too: many more positions per batch
                 for short answers such as captions).
@@ -308,6 +314,8 @@ class RetrofitModule(pl.LightningModule):
                              "substitute does not report: use one or the other")
         if replacement not in ("linear", "layer"):
             raise InputError(f"replacement must be 'linear' or 'layer', got {replacement!r}")
+        if replacement_inputs not in ("replaced", "full"):
+            raise InputError(f"replacement_inputs must be 'replaced' or 'full', got {replacement_inputs!r}")
         if replacement == "layer" and (replacement_epochs < 1 or not replacement_lr > 0):
             raise InputError(f"a layer replacement needs replacement_epochs >= 1 and replacement_lr > 0, got "
                              f"{replacement_epochs} and {replacement_lr}")
@@ -496,7 +504,8 @@ class RetrofitModule(pl.LightningModule):
                          for inputs, _ in map(self.model_inputs, batches)]
                 transforms = fit_layer_replacements(self.model, self.adapter.spec, self.replacement_layers(), pairs,
                                                     epochs=int(hp.replacement_epochs), lr=float(hp.replacement_lr),
-                                                    seed=int(hp.seed))
+                                                    seed=int(hp.seed),
+                                                    span_inputs=hp.replacement_inputs)
             else:
                 transforms = fit_replacements(self.model, self.adapter.spec, self.replacement_layers(),
                                               [self.model_inputs(batch) for batch in batches],
