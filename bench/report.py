@@ -28,7 +28,7 @@ def _lora_targets(targets: str | list[str] | None) -> str:
     """` on q_proj/v_proj` from a LoRA's target modules: a list, or a regex ending in an alternation."""
     if isinstance(targets, (list, tuple)):
         return " on " + "/".join(targets)
-    names = re.search(r"\(([^()]*)\)\)?$", targets or "")
+    names = re.search(r"\((?:\?:)?([^()]*)\)\)?$", targets or "")
     return f" on {names.group(1).replace('|', '/')}" if names else (f" on {targets}" if targets else "")
 
 
@@ -55,8 +55,9 @@ def _recipe(info: dict[str, Any]) -> str:
         parts.append(f"removal schedule k = {info.get('min_removed_blocks', 0)}..{info['max_removed_blocks']}")
     if info.get("replacement_fit_seconds") is not None:
         how = info.get("replacement") or {}
-        detail = (f" ({how['replacement_batches']} batches, {how['replacement_epochs']} passes)"
-                  if how.get("replacement") == "layer" else "")
+        detail = (f" ({how['replacement_batches']} batches, {how['replacement_epochs']} passes"
+                  + (", every span from the full model's stream" if how.get("replacement_inputs") == "full" else "")
+                  + ")" if how.get("replacement") == "layer" else "")
         parts.append(f"{how.get('replacement', 'the')} replacement fitted first{detail}: "
                      f"{info['replacement_fit_seconds'] / 60:.1f} min of the budget")
     if info.get("overrides"):

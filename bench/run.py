@@ -240,11 +240,12 @@ def removal_settings(variant: Variant, orders: dict[str, list[int]], max_removed
 COMPUTE_COUNTED_ON = "real text positions"
 
 
-def recipe_digest(variant: Variant) -> str:
-    """The variant's definition (router, module arguments, step count) as 12 hex digits of SHA-256, recorded in
-    train_info.json: an adapter trained before its definition changed (e.g. LAYER_HEALING's passes) is stale."""
-    text = json.dumps({"router": variant.router, "module": variant.module, "steps": variant.steps}, sort_keys=True)
-    return hashlib.sha256(text.encode()).hexdigest()[:12]
+def recipe_digest(variant: Variant, decay_over: str = "steps") -> str:
+    """What `variant` trains with besides its removal (its router and `training_arguments`: the bench's defaults
+    under its own module arguments, a step count where it decays over one) as 12 hex digits of SHA-256, recorded in
+    train_info.json: an adapter trained before the recipe changed (e.g. LAYER_HEALING's passes) is stale."""
+    recipe = {"router": variant.router, "module": training_arguments(variant, {}, 1.0, decay_over)}
+    return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
 
 
 def training_key(variant: Variant, removal: dict[str, Any], decay_over: str = "steps",
@@ -254,7 +255,7 @@ def training_key(variant: Variant, removal: dict[str, Any], decay_over: str = "s
     gives the teacher other outputs on every image) where given; for a decaying variant under
     `decay_over="budget"`, that decay (adapters trained before it decayed over their steps); for a variant pulled
     to a compute target, what that target counted and whether image positions could skip."""
-    key = {**removal, "recipe": recipe_digest(variant),
+    key = {**removal, "recipe": recipe_digest(variant, decay_over),
            "overrides": None}  # `bench.heal --set` trained another recipe than the variant's
     if backbone_weights is not None:
         key["backbone_weights"] = backbone_weights
@@ -424,12 +425,13 @@ def train_variant(variant: Variant, backbone: str, shards: dict[str, Any], minut
             "fit_seconds": round(fit_seconds, 1),
             **({"replacement_fit_seconds": round(module.replacement_fit_seconds, 1),
                 "replacement": {k: module.hparams[k] for k in ("replacement", "replacement_batches",
-                                                               "replacement_epochs", "replacement_lr")}}
+                                                               "replacement_epochs", "replacement_lr",
+                                                               "replacement_inputs")}}
                if module.replacement_fit_seconds is not None else {}),
             "removal_order": module.adapter.removal_order, "max_removed_blocks": module.hparams.max_removed_blocks,
             "min_removed_blocks": module.hparams.min_removed_blocks,
             "query_lr_scale": module.hparams.query_lr_scale, "distill_positions": module.hparams.distill_positions,
-            "train_routers": module.hparams.train_routers, "recipe": recipe_digest(variant),
+            "train_routers": module.hparams.train_routers, "recipe": recipe_digest(variant, decay_over),
             **({"lora": dict(module.hparams.lora)} if module.hparams.lora else {}),
             **({"compute_counted_on": COMPUTE_COUNTED_ON, "skip_image_positions": module.adapter.skip_image_positions}
                if module.hparams.compute_target is not None else {}),

@@ -224,7 +224,8 @@ def test_report_writes_json_markdown_and_plot(tmp_path):
                             "layer": {"steps": 3, "minutes": 1.0, "step_seconds": 2.0, "batch_size": 4,
                                       "peak_rss_mb": 100.0, "replacement_fit_seconds": 24.0,
                                       "replacement": {"replacement": "layer", "replacement_batches": 192,
-                                                      "replacement_epochs": 8, "replacement_lr": 2e-3},
+                                                      "replacement_epochs": 8, "replacement_lr": 2e-3,
+                                                      "replacement_inputs": "full"},
                                       "overrides": {"replacement_epochs": 8}}},
                "records": [record, kept]}
     out = tmp_path / "new" / "folder"  # a folder that does not exist yet is created, not a lost report
@@ -241,7 +242,8 @@ def test_report_writes_json_markdown_and_plot(tmp_path):
             "untrained): LoRA only") in table
     assert "`gated`: 3 steps in 1.0 min, 2.00 s/step (batch 4), peak RSS 100 MB; LoRA r 8 on q_proj/v_proj, queries" in table
     assert "`plain`: 3 steps in 0.8 of 1 min" in table and "`routed`: 3 steps in 1.0 min" in table
-    assert ("layer replacement fitted first (192 batches, 8 passes): 0.4 min of the budget, "
+    assert ("layer replacement fitted first (192 batches, 8 passes, every span from the full model's stream): "
+            "0.4 min of the budget, "
             "overridden: replacement_epochs=8") in table
     assert (out / "pareto.png").stat().st_size > 0
     # Measurements written by hand below the marker survive the next run's report; the analysis above it is the run's.
@@ -408,7 +410,8 @@ def test_adapters_trained_otherwise_are_found_before_any_work(tmp_path):
     assert len(stale) == 1 and "skip_image_positions" in stale[0]
     # LoRA healing decayed over its steps is stale for a run that decays over the budget, and the gates unaffected.
     budget = {v.name: training_key(v, expected[v.name], "budget") for v in variants}
-    assert budget["lora_mlp_span"] == {**expected["lora_mlp_span"], "recipe": recipe_digest(VARIANTS["lora_mlp_span"]),
+    assert budget["lora_mlp_span"] == {**expected["lora_mlp_span"],
+                                       "recipe": recipe_digest(VARIANTS["lora_mlp_span"], "budget"),
                                        "overrides": None, "decay_over": "budget"}
     assert budget["gate"] == keys["gate"] and budget["routed_static"] == keys["routed_static"]
     stale = stale_runs(variants, tmp_path, budget)
@@ -437,7 +440,7 @@ def test_an_adapter_healed_by_hand_is_reused_only_as_the_variant_trains_it(tmp_p
     def recorded(order, **extra):
         (tmp_path / "lora_mlp_span_layer").mkdir(exist_ok=True)
         info = {"removal_order": order, "max_removed_blocks": 2, "min_removed_blocks": 2, "decay_over": "budget",
-                "recipe": recipe_digest(variants[0]), **extra}
+                "recipe": recipe_digest(variants[0], "budget"), **extra}
         (tmp_path / "lora_mlp_span_layer" / "train_info.json").write_text(json.dumps(info))
 
     recorded([3, 2, 1, 4])
@@ -449,17 +452,20 @@ def test_an_adapter_healed_by_hand_is_reused_only_as_the_variant_trains_it(tmp_p
     recorded([3, 2, 1, 4], overrides={"replacement_epochs": 12})  # `bench.heal --set`: another recipe
     (stale,) = stale_runs(variants, tmp_path, keys)
     assert "overrides" in stale and "replacement_epochs" in stale
-    # The variant's definition changed since (its passes, say): the adapter it trained before is stale, and one
-    # trained with the new definition's settings by `--set` records the new definition's digest.
+    # The variant's definition changed since (its passes, say): the adapter it trained before is stale.
     changed = dataclasses.replace(variants[0], module={**variants[0].module, "replacement_epochs": 12})
-    assert recipe_digest(changed) != recipe_digest(variants[0])
+    assert recipe_digest(changed, "budget") != recipe_digest(variants[0], "budget")
     recorded([3, 2, 1, 4])
     (stale,) = stale_runs([changed], tmp_path, {changed.name: training_key(
         changed, removal_settings(changed, orders, 3, 2), "budget")})
     assert "recipe" in stale
-    # The digest is of the definition's content: a dict built in another key order reads the same.
+    # The digest is of what trains: a dict built in another key order reads the same, and a step count reads only
+    # where the rate decays over it.
     shuffled = dataclasses.replace(changed, module=dict(reversed(list(changed.module.items()))))
-    assert recipe_digest(shuffled) == recipe_digest(changed)
+    assert recipe_digest(shuffled, "budget") == recipe_digest(changed, "budget")
+    longer = dataclasses.replace(changed, steps=2 * changed.steps)
+    assert recipe_digest(longer, "budget") == recipe_digest(changed, "budget")
+    assert recipe_digest(longer, "steps") != recipe_digest(changed, "steps")
 
 
 def test_train_only_trains_every_variant_for_its_own_removal_and_measures_nothing(monkeypatch, tmp_path):

@@ -109,6 +109,30 @@ def test_full_span_inputs_take_one_forward_and_fit_later_spans_on_the_full_strea
         fit_layer_replacements(model, spec, REMOVED, batches, span_inputs="teacher")
 
 
+def test_a_capture_runs_until_every_layer_it_takes_and_copies_shared_arguments_once():
+    from vlm_retrofit.layer_replacement import _captured
+
+    model, processor = tiny_vlm("llama", num_hidden_layers=7)
+    spec = resolve(model)
+    inputs = dict(tiny_inputs(processor, batch=2))
+    ran = []
+    handles = [layer.register_forward_hook(lambda m, a, o, i=i: ran.append(i))
+               for i, layer in enumerate(spec.get_layers(model))]
+    try:
+        for inputs_of, outputs_of, last in (([5], [2], 4), ([1, 3], [3], 3), ([3], [], 2), ([], [4], 4)):
+            ran.clear()
+            with torch.no_grad():
+                (captured,) = _captured(model, spec, [(inputs, None)], inputs_of=inputs_of, outputs_of=outputs_of)
+            assert max(ran) == last  # the forward stopped as soon as it had everything (an input: before that layer)
+            assert sorted(captured) == sorted([f"in{i}" for i in inputs_of] + [f"kwargs{i}" for i in inputs_of]
+                                              + [f"out{i}" for i in outputs_of])
+            if inputs_of == [1, 3]:  # both are handed the same rotary table: the capture keeps one copy of it
+                assert captured["kwargs1"]["position_embeddings"] is captured["kwargs3"]["position_embeddings"]
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 def test_saved_and_checked_by_kind(tmp_path):
     model, _ = tiny_vlm("llama", num_hidden_layers=7)
     spec = resolve(model)

@@ -114,11 +114,19 @@ def _captured(model: nn.Module, spec: BackboneSpec, batches: list[tuple[dict[str
     inputs_of, outputs_of = sorted(set(inputs_of)), sorted(set(outputs_of))
     last_input, last_output = max(inputs_of, default=-1), max(outputs_of, default=-1)
     store: dict[str, Any] = {}
+    # The layers of one forward mostly share their keyword arguments (one mask, one rotary table): each is copied to
+    # the CPU once per batch. The source is held beside its copy, so that its id cannot be reused in the meantime.
+    moved: dict[int, tuple[Any, Any]] = {}
+
+    def on_cpu(value: Any) -> Any:
+        if id(value) not in moved:
+            moved[id(value)] = (value, _to(value, "cpu"))
+        return moved[id(value)][1]
 
     def take_input(index):
         def hook(_module, args, kwargs):
             store[f"in{index}"] = layer_hidden_states(args, kwargs).detach().cpu()
-            store[f"kwargs{index}"] = _to({k: v for k, v in kwargs.items() if k != "hidden_states"}, "cpu")
+            store[f"kwargs{index}"] = {k: on_cpu(v) for k, v in kwargs.items() if k != "hidden_states"}
             if index == last_input and last_output < index:
                 raise _Stop
         return hook
@@ -136,6 +144,7 @@ def _captured(model: nn.Module, spec: BackboneSpec, batches: list[tuple[dict[str
     try:
         for inputs, _ in batches:
             store.clear()
+            moved.clear()
             try:
                 unwrap_model(model)(**inputs, use_cache=False)
             except _Stop:
