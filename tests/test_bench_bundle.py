@@ -276,11 +276,11 @@ def test_heal_trains_the_variant_with_its_overrides_and_records_them(tmp_path, m
     monkeypatch.setattr(run, "training_shards", lambda manifest: {})
     calls = []
     monkeypatch.setattr(run, "train_variant", lambda variant, *a, **k: calls.append((variant, k)) or {"steps": 1})
-    assert heal.main(["lora_mlp_span_layer", "--removal", "14", "13", "--set", "replacement_epochs=12",
+    assert heal.main(["lora_mlp_span_layer", "--removal", "14", "13", "--set", "replacement_epochs=16",
                       "--seed", "3", "--runs", str(tmp_path)]) == 0
     variant, settings = calls[0]
-    assert variant.module == {**run.LAYER_HEALING, "replacement_epochs": 12}  # the rest of the recipe as it was
-    assert settings["recorded"] == {"overrides": {"replacement_epochs": 12}} and settings["seed"] == 3
+    assert variant.module == {**run.LAYER_HEALING, "replacement_epochs": 16}  # the rest of the recipe as it was
+    assert settings["recorded"] == {"overrides": {"replacement_epochs": 16}} and settings["seed"] == 3
     assert settings["removal"] == {"removal_order": [14, 13], "max_removed_blocks": 2, "min_removed_blocks": 2}
     assert heal.main(["lora_mlp_span", "--removal", "13", "--runs", str(tmp_path)]) == 0
     assert calls[1][1]["recorded"] is None  # nothing overridden, nothing added

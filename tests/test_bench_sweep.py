@@ -449,11 +449,11 @@ def test_an_adapter_healed_by_hand_is_reused_only_as_the_variant_trains_it(tmp_p
     # the other targets remove (its first one at 10 %, and too few at 30 %).
     recorded([2, 3])
     assert len(stale_runs(variants, tmp_path, keys)) == 1
-    recorded([3, 2, 1, 4], overrides={"replacement_epochs": 12})  # `bench.heal --set`: another recipe
+    recorded([3, 2, 1, 4], overrides={"replacement_epochs": 16})  # `bench.heal --set`: another recipe
     (stale,) = stale_runs(variants, tmp_path, keys)
     assert "overrides" in stale and "replacement_epochs" in stale
     # The variant's definition changed since (its passes, say): the adapter it trained before is stale.
-    changed = dataclasses.replace(variants[0], module={**variants[0].module, "replacement_epochs": 12})
+    changed = dataclasses.replace(variants[0], module={**variants[0].module, "replacement_epochs": 16})
     assert recipe_digest(changed, "budget") != recipe_digest(variants[0], "budget")
     recorded([3, 2, 1, 4])
     (stale,) = stale_runs([changed], tmp_path, {changed.name: training_key(
