@@ -498,7 +498,8 @@ def test_train_only_trains_every_variant_for_its_own_removal_and_measures_nothin
     assert list(trained) == names
     assert {name: trained[name].get("max_removed_blocks") for name in names} == {
         "lora_mlp_span_layer_t10": 3, "lora_mlp_span_layer": 6, "lora_mlp_span_layer_t30": 9, "gate": None}
-    assert trained["lora_mlp_span_layer_t10"]["removal_order"][:3] == [14, 16, 13]
+    assert trained["lora_mlp_span_layer_t10"]["removal_order"] == [14, 16, 13]  # what it removes: measured there only
+    assert trained["lora_mlp_span_layer"]["removal_order"] == [14, 16, 13, 15, 17, 18, 26, 25, 24]  # rows at 10-30 %
     assert not (tmp_path / "out" / "results.json").exists()
 
 
@@ -509,8 +510,8 @@ def test_one_adapter_per_operating_point_trains_and_is_measured_at_its_own_targe
     orders = {"impact": [1, 2, 3], "joint": [3, 1, 2], "span": [2, 3, 1]}
     counts = {0.1: 1, 0.2: 2, 0.3: 3}
     t10, t30 = VARIANTS["lora_mlp_span_t10"], VARIANTS["lora_mlp_span_t30"]
-    assert removal_settings(t10, orders, 3, 2, 1, counts) == {"removal_order": [2, 3, 1], "max_removed_blocks": 1,
-                                                              "min_removed_blocks": 1}
+    assert removal_settings(t10, orders, 3, 2, 1, counts) == {"removal_order": [2], "max_removed_blocks": 1,
+                                                              "min_removed_blocks": 1}  # only what it removes
     assert removal_settings(t30, orders, 3, 2, 1, counts)["min_removed_blocks"] == 3
     assert removal_settings(VARIANTS["lora_mlp_span"], orders, 3, 2, 1, counts)["max_removed_blocks"] == 2
     with pytest.raises(SystemExit, match="lora_mlp_span_t30.*0.3"):  # refused before any training
