@@ -19,8 +19,8 @@ from test_replacement import _data, _trainer, _module as _healing_module
 REMOVED = [2, 4, 5]  # two spans in a 7-layer decoder: [2] carried by layer 1, [4, 5] by layer 3
 
 
-def _stream_after_span(model, spec, inputs, mask, replaced):
-    """The stream entering layer 6 at the `mask` positions: of the full model, and with REMOVED removed (their
+def _stream_after_span(model, spec, inputs, mask, replaced, removed=REMOVED):
+    """The stream entering layer 6 at the `mask` positions: of the full model, and with `removed` removed (their
     front layers running `replaced`'s substitutes)."""
     captured = {}
     layers = spec.get_layers(model)
@@ -30,7 +30,7 @@ def _stream_after_span(model, spec, inputs, mask, replaced):
         with torch.no_grad():
             model(**inputs, use_cache=False)
             full = captured["x"][mask]
-            with layers_removed(model, spec, REMOVED, substitutes(model, spec, replaced)):
+            with layers_removed(model, spec, removed, substitutes(model, spec, replaced)):
                 model(**inputs, use_cache=False)
             return full, captured["x"][mask]
     finally:
@@ -90,21 +90,9 @@ def test_full_span_inputs_take_one_forward_and_fit_later_spans_on_the_full_strea
     # Fitted on the full model's stream, the second replacement alone (layers 4-5 removed, layer 2 kept) brings the
     # stream after it closer to the full model's than removing 4-5 plainly.
     mask = inputs["attention_mask"].bool()
-    captured = {}
-    hook = layers[6].register_forward_pre_hook(
-        lambda m, args, kwargs: captured.__setitem__("x", args[0] if args else kwargs["hidden_states"]), with_kwargs=True)
-    try:
-        with torch.no_grad():
-            model(**inputs, use_cache=False)
-            target = captured["x"][mask]
-            streams = {}
-            for name, states in (("plain", {}), ("fitted", {3: full[3]})):
-                with layers_removed(model, spec, [4, 5], substitutes(model, spec, states)):
-                    model(**inputs, use_cache=False)
-                streams[name] = captured["x"][mask]
-    finally:
-        hook.remove()
-    assert ((streams["fitted"] - target) ** 2).sum() < 0.9 * ((streams["plain"] - target) ** 2).sum()
+    target, plain = _stream_after_span(model, spec, inputs, mask, {}, removed=[4, 5])
+    _, fitted = _stream_after_span(model, spec, inputs, mask, {3: full[3]}, removed=[4, 5])
+    assert ((fitted - target) ** 2).sum() < 0.9 * ((plain - target) ** 2).sum()
     with pytest.raises(ValueError, match="span_inputs must be 'replaced' or 'full'"):
         fit_layer_replacements(model, spec, REMOVED, batches, span_inputs="teacher")
 
