@@ -55,9 +55,10 @@ def _recipe(info: dict[str, Any]) -> str:
         parts.append(f"removal schedule k = {info.get('min_removed_blocks', 0)}..{info['max_removed_blocks']}")
     if info.get("replacement_fit_seconds") is not None:
         how = info.get("replacement") or {}
-        detail = (f" ({how['replacement_batches']} batches, {how['replacement_epochs']} passes"
-                  + (", every span from the full model's stream" if how.get("replacement_inputs") == "full" else "")
-                  + ")" if how.get("replacement") == "layer" else "")
+        detail = ""
+        if how.get("replacement") == "layer":
+            full = ", every span from the full model's stream" if how.get("replacement_inputs") == "full" else ""
+            detail = f" ({how['replacement_batches']} batches, {how['replacement_epochs']} passes{full})"
         parts.append(f"{how.get('replacement', 'the')} replacement fitted first{detail}: "
                      f"{info['replacement_fit_seconds'] / 60:.1f} min of the budget")
     if info.get("overrides"):

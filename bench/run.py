@@ -235,7 +235,7 @@ def removal_settings(variant: Variant, orders: dict[str, list[int]], max_removed
         fewest = most = target_blocks[variant.removal_target]
         # Measured at its own target only: the blocks it removes are all of the order it needs (an adapter healed
         # by hand for those blocks, `bench.heal --removal`, is the same adapter).
-        return {"removal_order": list(order[:most]), "max_removed_blocks": most, "min_removed_blocks": fewest}
+        order = order[:most]
     elif variant.fixed_removal:
         fewest = most = speed_removed_blocks
     else:
@@ -258,9 +258,10 @@ def recipe_digest(variant: Variant, decay_over: str = "steps") -> str:
 
 def training_key(variant: Variant, removal: dict[str, Any], decay_over: str = "steps",
                  backbone_weights: str | None = None) -> dict[str, Any]:
-    """What a reused adapter of `variant` must have been trained with (its train_info.json): its definition
-    (`recipe_digest`); the removal settings `removal`; the real VLM build `backbone_weights` (`real_vlm.weights_digest`: a rebuilt projector
-    gives the teacher other outputs on every image) where given; for a decaying variant under
+    """What a reused adapter of `variant` must have been trained with (its train_info.json): its recipe
+    (`recipe_digest`); the removal settings `removal`; the real VLM build `backbone_weights`
+    (`real_vlm.weights_digest`: a rebuilt projector gives the teacher other outputs on every image) where given;
+    for a decaying variant under
     `decay_over="budget"`, that decay (adapters trained before it decayed over their steps); for a variant pulled
     to a compute target, what that target counted and whether image positions could skip."""
     key = {**removal, "recipe": recipe_digest(variant, decay_over),

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Literal, Mapping
 
 import torch
 from torch import Tensor, nn
@@ -170,7 +170,8 @@ def update_error(output: Tensor, target: Tensor, layer_input: Tensor, mask: Tens
 
 def fit_layer_replacements(model: nn.Module, spec: BackboneSpec, layers: Iterable[int],
                            batches: Iterable[tuple[dict[str, Any], Tensor]], *, epochs: int = 4, lr: float = 2e-3,
-                           seed: int = 0, span_inputs: str = "replaced") -> dict[int, dict[str, Tensor]]:
+                           seed: int = 0, span_inputs: Literal["replaced", "full"] = "replaced"
+                           ) -> dict[int, dict[str, Tensor]]:
     """Train one layer replacement per removed span of `layers` (keyed by the layer in front of it), in depth order.
 
     `batches`: (forward keywords, bool mask [B, T] of the positions to fit on). The model runs as given (put routers
@@ -179,9 +180,9 @@ def fit_layer_replacements(model: nn.Module, spec: BackboneSpec, layers: Iterabl
     model with the earlier spans removed and replaced (what the student runs it on; one more forward over the
     batches per span), or `"full"`, the full model's stream there, taken in that same single forward (a removal of
     several spans costs one forward instead of one per span; the error of the earlier replacements is left to
-    what trains after). The replacement then trains `epochs` passes over what was captured (AdamW at `lr`, cosine to zero, the batches
-    in a seeded order; fp32 weights, in eval mode as the student runs it). The layer in front starts from its own
-    weights. Returns fp32 CPU state dicts of the plain layers.
+    what trains after). The replacement then trains `epochs` passes over what was captured (AdamW at `lr`, cosine
+    to zero, the batches in a seeded order; fp32 weights, in eval mode as the student runs it). The layer in front
+    starts from its own weights. Returns fp32 CPU state dicts of the plain layers.
     """
     from .pruning import layers_removed
     from .replacement import removed_spans, replaced_layers
