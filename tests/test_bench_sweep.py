@@ -283,6 +283,30 @@ def test_train_steps_override_only_the_fixed_step_variants():
     assert [VARIANTS[n].steps for n in names] == registered  # the registry is not modified
 
 
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_every_variant_builds_the_module_it_trains(name):
+    """A variant's recipe (router, LoRA targets, skip candidates, replacement settings, its removal) is accepted by
+    `RetrofitModule` as `train_variant` passes it: a bad field or a LoRA that matches no layer would otherwise
+    surface only after a bench run's minutes of searches."""
+    from bench.run import removal_settings, training_arguments
+    from vlm_retrofit.training import RetrofitModule
+
+    variant = VARIANTS[name]
+    orders = {kind: [9, 8, 10, 11, 7, 12, 3] for kind in ("impact", "joint", "span")}
+    removal = removal_settings(variant, orders, 6, 4, 2, {0.1: 2, 0.2: 4, 0.3: 6})
+    arguments = training_arguments(variant, removal, decay_over="budget")
+    module = RetrofitModule(backbone="tiny:llava", backbone_kwargs={"num_hidden_layers": 20}, router=variant.router,
+                            **arguments)
+    assert module.adapter.config.block_size == variant.router["block_size"]
+    lora = variant.module.get("lora")
+    adapted = [n for n, p in module.model.named_parameters() if "lora_" in n and p.requires_grad]
+    assert bool(adapted) == bool(lora)  # the LoRA's target pattern matches the family's language-model layers
+    if lora:
+        assert all("language_model" in n for n in adapted)
+    assert module.hparams.skip_candidates == variant.module.get("skip_candidates")
+    assert module.hparams.max_removed_blocks == removal.get("max_removed_blocks", 0)
+
+
 def test_budget_decay_runs_the_schedule_over_the_wall_clock():
     from types import SimpleNamespace
 
