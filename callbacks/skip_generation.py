@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import time
-from typing import Any, Mapping
+from typing import Any, Callable, ContextManager, Mapping
 
 import lightning.pytorch as pl
 import torch
@@ -111,8 +113,12 @@ class SkipAwareGenerationCallback(pl.Callback):
         settings = adapter.calibration.get(self.active_policy, {}).get(key)
         if settings is None:
             settings = calibrate(adapter, prompts, self.target_saving, self.active_policy, store=False).settings
+        # A healing run's replacement of the removed layers belongs to its student: the static removal runs with it.
+        replaced = getattr(pl_module, "replacement_applied", None)
+        skip_context = (functools.partial(replaced, adapter.layout.layers_of_blocks(settings["blocks"]))
+                        if replaced is not None and "blocks" in settings else None)
         metrics, report = compare_generation(model, adapter, prompts, self.active_policy, settings, tokenizer,
-                                             max_new_tokens=self.max_new_tokens)
+                                             max_new_tokens=self.max_new_tokens, skip_context=skip_context)
         self.last_metrics = metrics
         pl_module.log_dict(metrics, rank_zero_only=True)
         rates = report.skip_rates
@@ -157,8 +163,10 @@ class SkipAwareGenerationCallback(pl.Callback):
 
 @torch.no_grad()
 def compare_generation(model, adapter, prompts: list[dict[str, Any]], policy: str, settings: Mapping[str, Any],
-                       tokenizer, *, max_new_tokens: int = 16) -> tuple[dict[str, float], SkipReport]:
-    """Greedy generation on each prompt batch without and with skipping; agreement, speed and compute.
+                       tokenizer, *, max_new_tokens: int = 16,
+                       skip_context: Callable[[], ContextManager] | None = None) -> tuple[dict[str, float], SkipReport]:
+    """Greedy generation on each prompt batch without and with skipping (inside `skip_context()` too, e.g. a
+    healing run's replacement of the layers skipped); agreement, speed and compute.
 
     Returns `skip/...` metrics (see SkipAwareGenerationCallback) and the merged SkipReport of the skipping runs.
     """
@@ -173,7 +181,7 @@ def compare_generation(model, adapter, prompts: list[dict[str, Any]], policy: st
         base = model.generate(**prompt, **options)[:, start_len:]
         base_time += time.perf_counter() - start
         start = time.perf_counter()
-        with adapter.skipping(policy, **settings) as report:
+        with (skip_context or contextlib.nullcontext)(), adapter.skipping(policy, **settings) as report:
             skip = model.generate(**prompt, **options)[:, start_len:]
         skip_time += time.perf_counter() - start
         reports.append(report)

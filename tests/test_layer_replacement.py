@@ -277,3 +277,47 @@ def test_a_layers_standalone_shapes_are_read_without_copying_it():
     assert any("lora_A" in name for name in names) and any("modules_to_save" in name for name in names)
     copied = {k: tuple(v.shape) for k, v in standalone_layer(layer).state_dict().items()}
     assert standalone_shapes(layer) == expected == copied
+
+
+def test_a_static_removal_through_the_routers_runs_what_the_student_runs():
+    """`replacement_applied`: the model run whole with the replacement in place and the replaced span skipped by the
+    routers' static policy (what SkipAwareGenerationCallback generates with in a healing run) computes the healing
+    student's logits; without it the span is skipped with layer 1's own weights; fitted for other layers, or after
+    the context, nothing is left in place."""
+    from vlm_retrofit.callbacks import compare_generation
+
+    module, data = _module(), _data(seed=0)
+    with torch.no_grad():
+        module.fit_replacement(data.train_batches)
+    torch.manual_seed(0)  # the LoRA away from B = 0, as after healing steps: the student runs it on kept layers only
+    for name, parameter in module.model.named_parameters():
+        if "lora_B" in name:
+            parameter.data.normal_(0, 0.05)
+    inputs, mask = module.model_inputs(data.train_batches[0])
+    layers = module.adapter.spec.get_layers(module.model)
+    with torch.no_grad():
+        student = module._removal_forward(inputs, None, [2, 3]).logits[mask]
+        with module.replacement_applied([2, 3]), module.adapter.skipping("static", blocks=[2, 3]):
+            routed = module.model(**inputs).logits[mask]
+        with module.adapter.skipping("static", blocks=[2, 3]):
+            plain = module.model(**inputs).logits[mask]
+        whole = module.model(**inputs).logits[mask]
+        with module.replacement_applied([3]):  # not the removal it was fitted for: nothing replaced
+            assert "forward" not in vars(layers[1])
+            torch.testing.assert_close(module.model(**inputs).logits[mask], whole)
+    torch.testing.assert_close(routed, student, atol=1e-4, rtol=1e-4)
+    assert (plain - student).abs().max() > 1e-3
+    assert "forward" not in vars(layers[1])  # restored
+
+    # The callback's comparison takes it as the skipping side's context: with it the skipping side is the student.
+    tokenizer = module.processor
+    prompt = {k: v[:1] for k, v in inputs.items() if k in ("input_ids", "attention_mask")}
+    entered = []
+
+    def context():
+        entered.append(True)
+        return module.replacement_applied([2, 3])
+
+    metrics, report = compare_generation(module.model, module.adapter, [prompt], "static", {"blocks": [2, 3]},
+                                         tokenizer, max_new_tokens=3, skip_context=context)
+    assert entered == [True] and report.skipped_layer_fraction > 0

@@ -12,9 +12,10 @@ of the plain layer, no adapter wrappers), keyed by p like a linear one.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
-from typing import Any, Iterable, Literal, Mapping
+from typing import Any, Iterable, Iterator, Literal, Mapping
 
 import torch
 from torch import Tensor, nn
@@ -84,6 +85,25 @@ def substitutes(model: nn.Module, spec: BackboneSpec, states: Mapping[int, Mappi
     """`layer_with` for each replaced layer of `model`, keyed by its index (for `pruning.layers_removed`)."""
     layers = spec.get_layers(model)
     return {int(index): layer_with(layers[int(index)], state) for index, state in states.items()}
+
+
+@contextlib.contextmanager
+def forwards_substituted(layers: nn.ModuleList, substitutes: Mapping[int, nn.Module]) -> Iterator[None]:
+    """Within the context layer i of `layers` computes `substitutes[i]`'s forward in place of its own while it stays
+    in the decoder, so its hooks (the routers') and its cache slot are its own: the whole model runs the healing
+    student's layers, for a skip policy that then removes the replaced span. Enter it *outside* a skip context,
+    which patches the forward it finds."""
+    saved = {int(i): layers[int(i)].__dict__.get("forward") for i in substitutes}
+    try:
+        for i, module in substitutes.items():
+            layers[int(i)].forward = module.forward
+        yield
+    finally:
+        for i, before in saved.items():
+            if before is None:
+                layers[i].__dict__.pop("forward", None)
+            else:
+                layers[i].forward = before
 
 
 class _Stop(Exception):

@@ -10,7 +10,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Literal, Mapping
+from typing import Any, Iterable, Iterator, Literal, Mapping
 
 import lightning.pytorch as pl
 import torch
@@ -27,7 +27,7 @@ from ..backbones.loading import load_backbone, recorded_name
 from ..backbones.registry import lora_layers
 from ..errors import InputError
 from ..pruning import layers_removed
-from ..layer_replacement import fit_layer_replacements, substitutes
+from ..layer_replacement import fit_layer_replacements, forwards_substituted, substitutes
 from ..replacement import fit_replacements, is_layer_replacement, output_projection, replacements_applied
 from .checkpoint import (CHECKPOINT_KEY, check_checkpoint, check_optimizer_settings, checkpoint_metadata,
                          resumed_removal_range)
@@ -665,6 +665,21 @@ class RetrofitModule(pl.LightningModule):
                 stack.enter_context(layer_input_replaced(substitutes.get(first_kept, layers[first_kept]), prefix_output))
             stack.enter_context(layers_removed(self.model, spec, skipped, substitutes))
             return self._forward(inputs, rows)
+
+    @contextlib.contextmanager
+    def replacement_applied(self, removed_layers: Iterable[int]) -> Iterator[None]:
+        """Within the context the model, run whole, has its replacement in the layers that carry it (a linear map
+        on their MLP output, a layer replacement's weights in place of theirs), so that a static skip policy
+        removing `removed_layers` through the routers computes what the healing student computes (e.g. for
+        `SkipAwareGenerationCallback`). Nothing changes where there is no replacement or it was fitted for other
+        layers: its layers would then stand in front of a span that still runs."""
+        if not self.replacements or sorted({int(i) for i in removed_layers}) != sorted(self.replacement_layers()):
+            yield
+            return
+        linear = {k: v for k, v in self.replacements.items() if not is_layer_replacement(v)}
+        with replacements_applied(self.model, self.adapter.spec, linear), \
+                forwards_substituted(self.adapter.spec.get_layers(self.model), self.replacement_substitutes()):
+            yield
 
     def replacement_substitutes(self) -> dict[int, nn.Module]:
         """The modules the student runs in place of the layers carrying a layer replacement (made once per
