@@ -279,16 +279,18 @@ def test_a_layers_standalone_shapes_are_read_without_copying_it():
     assert standalone_shapes(layer) == expected == copied
 
 
-def test_a_static_removal_through_the_routers_runs_what_the_student_runs():
+@pytest.mark.parametrize("replacement", ["layer", "linear"])
+def test_a_static_removal_through_the_routers_runs_what_the_student_runs(replacement):
     """`replacement_applied`: the model run whole with the replacement in place and the replaced span skipped by the
     routers' static policy (what SkipAwareGenerationCallback generates with in a healing run) computes the healing
     student's logits; without it the span is skipped with layer 1's own weights; fitted for other layers, or after
     the context, nothing is left in place."""
     from vlm_retrofit.callbacks import compare_generation
 
-    module, data = _module(), _data(seed=0)
+    module, data = _module(replacement=replacement), _data(seed=0)
     with torch.no_grad():
         module.fit_replacement(data.train_batches)
+    assert sorted(module.replacements) == [1]
     torch.manual_seed(0)  # the LoRA away from B = 0, as after healing steps: the student runs it on kept layers only
     for name, parameter in module.model.named_parameters():
         if "lora_B" in name:
