@@ -93,10 +93,11 @@ def forwards_substituted(layers: nn.ModuleList, substitutes: Mapping[int, nn.Mod
     in the decoder, so its hooks (the routers') and its cache slot are its own: the whole model runs the healing
     student's layers, for a skip policy that then removes the replaced span. Enter it *outside* a skip context,
     which patches the forward it finds."""
-    saved = {int(i): layers[int(i)].__dict__.get("forward") for i in substitutes}
+    substitutes = {int(i): module for i, module in substitutes.items()}
+    saved = {i: layers[i].__dict__.get("forward") for i in substitutes}
     try:
         for i, module in substitutes.items():
-            layers[int(i)].forward = module.forward
+            layers[i].forward = module.forward
         yield
     finally:
         for i, before in saved.items():

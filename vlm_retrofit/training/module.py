@@ -657,8 +657,7 @@ class RetrofitModule(pl.LightningModule):
         substitutes = self.replacement_substitutes()
         with contextlib.ExitStack() as stack:
             stack.enter_context(self.adapter.disabled())
-            linear = {k: v for k, v in (self.replacements or {}).items() if not is_layer_replacement(v)}
-            stack.enter_context(replacements_applied(self.model, spec, linear))
+            stack.enter_context(replacements_applied(self.model, spec, self._linear_replacements()))
             if shared:
                 layers = spec.get_layers(self.model)
                 first_kept = next(i for i in range(len(layers)) if i not in skipped)
@@ -676,10 +675,13 @@ class RetrofitModule(pl.LightningModule):
         if not self.replacements or sorted({int(i) for i in removed_layers}) != sorted(self.replacement_layers()):
             yield
             return
-        linear = {k: v for k, v in self.replacements.items() if not is_layer_replacement(v)}
-        with replacements_applied(self.model, self.adapter.spec, linear), \
+        with replacements_applied(self.model, self.adapter.spec, self._linear_replacements()), \
                 forwards_substituted(self.adapter.spec.get_layers(self.model), self.replacement_substitutes()):
             yield
+
+    def _linear_replacements(self) -> dict[int, Tensor]:
+        """The linear maps among the replacements (applied by hooks; a layer replacement runs as a substitute)."""
+        return {k: v for k, v in (self.replacements or {}).items() if not is_layer_replacement(v)}
 
     def replacement_substitutes(self) -> dict[int, nn.Module]:
         """The modules the student runs in place of the layers carrying a layer replacement (made once per
