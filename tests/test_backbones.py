@@ -4,6 +4,7 @@ import copy
 
 import pytest
 import torch
+from torch import nn
 from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Phi3Config, Phi3ForCausalLM,
                           SmolLM3Config, SmolLM3ForCausalLM, StableLmConfig, StableLmForCausalLM)
 
@@ -165,6 +166,36 @@ def test_a_registered_plug_in_family_gets_exact_routers():
             register_backbone("toy_llama", BackboneSpec())
         assert check_identity(model, inputs) <= 1e-4
         assert check_skip_consistency(model, {k: v[:1] for k, v in inputs.items()}) <= 1e-4
+    finally:
+        unregister_backbone("toy_llama")
+
+
+class _MixesPositions(nn.Module):
+    """An MLP that is not position-wise: each token's output also reads the mean of every token's input."""
+
+    def __init__(self, mlp: nn.Module) -> None:
+        super().__init__()
+        self.mlp = mlp
+
+    def forward(self, hidden):
+        return self.mlp(hidden) + hidden.mean(dim=1, keepdim=True)
+
+
+def test_the_skip_check_refuses_a_spec_whose_mlp_attr_names_an_mlp_that_is_not_position_wise():
+    # A block some tokens skip runs the spec's MLP on the other tokens only, which is exact for a position-wise MLP
+    # alone: one that mixes positions silently computes something else there.
+    model = ToyForCausalLM(ToyConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                     num_attention_heads=4, num_key_value_heads=2)).eval()
+    for layer in model.model.layers:
+        layer.mlp = _MixesPositions(layer.mlp)
+    inputs = {"input_ids": torch.randint(0, 64, (1, 7)), "attention_mask": torch.ones(1, 7, dtype=torch.long)}
+    register_backbone("toy_llama", BackboneSpec())
+    try:
+        with pytest.raises(AssertionError, match=r"mlp_attr \('mlp'\) must name a position-wise MLP, or be None"):
+            check_skip_consistency(model, inputs)
+        register_backbone("toy_llama", BackboneSpec(mlp_attr=None), overwrite=True)
+        with pytest.raises(AssertionError, match="generates other logits than without it"):  # the cache mixes too
+            check_skip_consistency(model, inputs)
     finally:
         unregister_backbone("toy_llama")
 

@@ -195,3 +195,26 @@ def test_static_removal_writes_no_cache_for_removed_blocks_and_equals_the_uncach
     assert report.layer_calls["skipped"] > 0 and report.decode.compute_saved > 0
     kept_kv = set(blocks) - set(controller.cacheless_blocks)
     assert (report.layer_calls["kv_only"] > 0) == bool(kept_kv)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_mlp_on_running_tokens_only_equals_the_whole_layer_and_counts_what_it_spared(family):
+    """A block some tokens skip runs its MLP on the others only: the same tokens and logits as running it over every
+    token and discarding the skipping ones', and the spared MLP rows are counted as saved compute."""
+    model, processor, adapter = _trained_like(family)
+    inputs = tiny_inputs(processor, batch=2)
+    policy = RandomPolicy(rate=0.45, seed=3)
+    runs = {}
+    with torch.no_grad():
+        for sparse in (True, False):
+            controller = adapter.skipping(policy)
+            controller.sparse_mlp = sparse
+            with controller as report:
+                runs[sparse] = _generate(model, inputs), report
+    (out, sparse_report), (whole, whole_report) = runs[True], runs[False]
+    torch.testing.assert_close(torch.stack(out.logits, 1), torch.stack(whole.logits, 1), atol=1e-5, rtol=0)
+    assert torch.equal(out.sequences, whole.sequences)
+    assert sparse_report.layer_calls == whole_report.layer_calls and sparse_report.layer_calls["mixed"] > 0
+    assert sparse_report.full_flops == whole_report.full_flops
+    assert sparse_report.decode.executed_flops < whole_report.decode.executed_flops  # mixed decode steps at batch 2
+    assert sparse_report.prefill.executed_flops < whole_report.prefill.executed_flops

@@ -84,11 +84,12 @@ register_backbone("cohere2_vision", COHERE2_TEXT)
 # until the spec names such a function.
 register_backbone("glm4v", BackboneSpec(rotary_fn=_own_rotary("glm4v.modeling_glm4v"), mlp_output_attr=None))
 # LFM2-VL's LFM2 text: each layer runs a short gated convolution (its state in the hybrid cache) or GQA attention after
-# `operator_norm`, then `feed_forward` (w2 adds its output unchanged) after `ffn_norm`; the attention normalises each
-# key head (`k_layernorm`), and the decoder's final norm is called `embedding_norm`. The convolution layers never skip.
+# `operator_norm`, then `feed_forward` (the MLP; w2 adds its output unchanged) after `ffn_norm`; the attention
+# normalises each key head (`k_layernorm`), and the decoder's final norm is called `embedding_norm`. The convolution
+# layers never skip.
 register_backbone("lfm2_vl", BackboneSpec(final_norm_attr="embedding_norm", input_norm_attr="operator_norm",
                                           k_norm_attr="k_layernorm", never_skip_layers=_layers_of_type("conv"),
-                                          mlp_output_attr="feed_forward.w2"))
+                                          mlp_attr="feed_forward", mlp_output_attr="feed_forward.w2"))
 # Qwen3.5: three Gated DeltaNet layers (linear attention, `linear_attn`) to one full-attention layer, which gates
 # its output per channel (each head's slice of q_proj is twice head_dim: query, then gate) and rotates the first
 # quarter of each head after a per-head key norm, as its own apply_rotary_pos_emb does. The linear-attention layers

@@ -149,6 +149,10 @@ class BackboneSpec:
     layers would be renumbered and the features land elsewhere."""
     image_token_ids: Callable[[Any], frozenset[int]] = _default_image_token_ids
     """Input ids that are placeholders for visual features."""
+    mlp_attr: str | None = "mlp"
+    """Attribute of a decoder layer holding its MLP, which must be position-wise (each token's output depends on that
+    token's input alone, as dense MLPs and token-routed mixtures of experts are): a block some tokens skip runs it on
+    the other tokens only. None runs it over every token, the skipping ones' outputs discarded."""
     mlp_output_attr: str | None = "mlp.down_proj"
     """Dotted path, within a decoder layer, of the linear layer whose output is added to the stream unchanged as
     the MLP update (where a linear replacement of removed layers is folded); None where a norm follows it."""
@@ -168,9 +172,10 @@ class BackboneSpec:
             raise TypeError(f"BackboneSpec(rotary_fn=...) takes apply_rotary_pos_emb(q, k, cos, sin) or None, got "
                             f"{type(self.rotary_fn).__name__}")
         for name in ("layers_attr", "final_norm_attr", "embed_tokens_attr", "input_norm_attr", "attention_attr",
-                     "k_proj_attr", "v_proj_attr", "k_norm_attr", "mlp_output_attr"):
+                     "k_proj_attr", "v_proj_attr", "k_norm_attr", "mlp_attr", "mlp_output_attr"):
             value = getattr(self, name)
-            if not (isinstance(value, str) or (value is None and name in ("k_norm_attr", "mlp_output_attr"))):
+            optional = name in ("k_norm_attr", "mlp_attr", "mlp_output_attr")
+            if not (isinstance(value, str) or (value is None and optional)):
                 raise TypeError(f"BackboneSpec({name}=...) takes an attribute name (a str), got {type(value).__name__}")
 
     # -- accessors -------------------------------------------------------------------------------------

@@ -277,7 +277,8 @@ class SkipReport:
     @property
     def skipped_layer_fraction(self) -> float:
         """Token-level fraction of decoder-layer executions skipped: what batch-1 decoding would save
-        before kv-only costs. `compute_saved` is lower in batches, where only steps that all rows skip save."""
+        before kv-only costs. `compute_saved` is lower in batches and in prefills, where a block only some tokens
+        skip saves their MLP only."""
         return self._layer_weighted(self.skip_rates)
 
     @property

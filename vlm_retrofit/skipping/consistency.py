@@ -25,7 +25,9 @@ def check_skip_consistency(model: nn.Module, inputs: Mapping[str, Any], config: 
     the cache. A tiny random model's logits hardly move when one layer caches wrong keys, so the cache itself is
     checked too: every layer's K/V after a run through the kv-only path must equal, within `kv_rtol` of their
     largest magnitude, those of the same run with the skipped layers run whole, and every kind of attention layer
-    (`layer_types`) that may skip must have written through the kv-only path at least once.
+    (`layer_types`) that may skip must have written through the kv-only path at least once. A block some tokens skip
+    runs its MLP on the other tokens only (`BackboneSpec.mlp_attr`): a run with each MLP over every token must
+    generate the same.
 
     Raises AssertionError naming what went wrong (the tokens, logits or cached K/V differ, a kind of layer went
     unchecked, or the kv-only path failed on this family's layers); the model is left as it was given. Use an
@@ -47,6 +49,10 @@ def check_skip_consistency(model: nn.Module, inputs: Mapping[str, Any], config: 
         whole.kv_only_when_all_skip = False  # the skipped layers run and their output is discarded: real K/V
         with whole:
             through_layers = model.generate(**inputs, **options)
+        dense = adapter.skipping(policy)
+        dense.sparse_mlp = False  # each MLP runs over every token of a block some tokens skip
+        with dense:
+            dense_mlp = model.generate(**inputs, **options)
         with adapter.skipping(policy):
             reference = model.generate(**inputs, use_cache=False, **options)
     except KVPathError as error:  # refused by name: the message says what is wrong and what, if anything, to do
@@ -68,6 +74,11 @@ def check_skip_consistency(model: nn.Module, inputs: Mapping[str, Any], config: 
             raise AssertionError(f"the kv-only path caches other K/V than the layers themselves do ({'; '.join(wrong)})"
                                  f". It ran {_kv_path(model)}; check these against the attention's forward "
                                  "(BackboneSpec input_norm_attr, k_norm_attr, rotary_fn, uses_rotary)")
+    mlp_difference = (torch.stack(cached.logits, 1) - torch.stack(dense_mlp.logits, 1)).abs().max().item()
+    if not (torch.equal(cached.sequences, dense_mlp.sequences) and mlp_difference <= atol):
+        raise AssertionError(f"running each MLP on the tokens that run its block only changes the logits (max "
+                             f"difference {mlp_difference:.3g}) against running it over every token: BackboneSpec "
+                             f"mlp_attr ({resolve(model).mlp_attr!r}) must name a position-wise MLP, or be None")
     difference = (torch.stack(cached.logits, 1) - torch.stack(reference.logits, 1)).abs().max().item()
     if not (torch.equal(cached.sequences, reference.sequences) and torch.equal(cached.sequences,
                                                                               through_layers.sequences)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from typing import Any, Callable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import Tensor, nn
@@ -13,7 +14,7 @@ from ..backbones import KVPathError, image_positions, layer_hidden_states, unwra
 from ..backbones.registry import no_rotary
 from ..errors import InputError
 from ..routing.adapter import CACHELESS_LAYERS, RouterAdapter
-from .accounting import LayerCost, SkipReport
+from .accounting import LayerCost, SkipReport, weight_flops
 from .policies import SkipPolicy
 
 
@@ -83,13 +84,18 @@ class SkipController:
     * every token runs → the original layer;
     * every token skips → identity, plus the kv-only cache write (no other work: compute really saved);
     * mixed → run and select with `where(skip, input, layer(input))` — the same function a no-cache
-      reference applies, so cached and uncached generation agree (invariant 2).
+      reference applies, so cached and uncached generation agree (invariant 2). The layer's MLP (the spec's
+      `mlp_attr`, position-wise) runs on the running tokens only: the skipping ones' outputs are discarded, and
+      attention writes their K/V from the layer's input as the kv-only path does.
     A skipped block's delta is *absent* for that token in later routers (masked, not a zero source).
     """
 
     mode = "select"
     kv_only_when_all_skip = True
     """False runs fully skipped steps through the real layer and selects, as a reference for the kv-only path."""
+    sparse_mlp = True
+    """False runs a mixed block's MLP over every token, as a reference for the sparse path (and for training, whose
+    straight-through gradient reads the layer's output at the skipping tokens too)."""
 
     def __init__(self, adapter: RouterAdapter, policy: SkipPolicy | None = None, *, budget: int | float | None = None) -> None:
         self.adapter = adapter
@@ -123,6 +129,8 @@ class SkipController:
         # The unpatched layers' costs, counted by kind (full / sliding attention): summed once per forward at decode.
         self._unpatched_costs = Counter(self.costs[i] for i in range(self.layout.num_layers) if i not in patched_layers)
         self._restore: list[tuple[nn.Module, Any]] = []
+        self._mlps: dict[int, tuple[nn.Module, int]] = {}
+        """Per patched layer index: its position-wise MLP and that MLP's FLOPs per token (`sparse_mlp`)."""
         self._started = 0.0
         self._image_ids = torch.tensor(sorted(adapter.spec.image_token_ids(unwrap_model(adapter.model).config)))
         self._token_is_image: Tensor | None = None
@@ -191,6 +199,10 @@ class SkipController:
 
         self._restore.append((layer, layer.__dict__["forward"] if had_instance_forward else None))
         layer.forward = forward
+        spec = self.adapter.spec
+        mlp = getattr(layer, spec.mlp_attr, None) if spec.mlp_attr else None
+        if isinstance(mlp, nn.Module):
+            self._mlps[index] = (mlp, weight_flops(mlp, spec.get_text_config(self.adapter.model)))
 
     def _capture_input_ids(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         # Which positions are visual placeholders: per-modality thresholds need it at every layer.
@@ -377,11 +389,56 @@ class SkipController:
             if cache is not None:
                 self.report.kv_only_layers.add(index)
             return hidden
-        self.report.record_layer("mixed", full, full, is_prefill)
-        return _map_output(original(*args, **kwargs), lambda out: self._combine(block, hidden, out, skip))
+        mlp = self._mlps.get(index) if self.sparse_mlp else None
+        if mlp is None:
+            self.report.record_layer("mixed", full, full, is_prefill)
+            return _map_output(original(*args, **kwargs), lambda out: self._combine(block, hidden, out, skip))
+        module, mlp_flops = mlp
+        with mlp_on_rows(module, ~skip) as spared_rows:
+            output = original(*args, **kwargs)
+        self.report.record_layer("mixed", full - sum(spared_rows) * mlp_flops, full, is_prefill)
+        return _map_output(output, lambda out: self._combine(block, hidden, out, skip))
 
     def _combine(self, block: int, hidden: Tensor, out: Tensor, skip: Tensor) -> Tensor:
         return torch.where(skip[..., None], hidden, out)
+
+
+@contextmanager
+def mlp_on_rows(mlp: nn.Module, run: Tensor) -> Iterator[list[int]]:
+    """While the context lasts, `mlp` called on hidden states of `run`'s shape ([B, T]) computes the positions where
+    `run` is True only, as one [1, N, D] call, and returns zeros at the others. Yields a list that gets, per such
+    call, how many positions it spared.
+
+    Exact for a position-wise MLP at the positions computed; another call (other shape, or no positional hidden
+    states) runs it as it is.
+    """
+    spared: list[int] = []
+    original = mlp.forward
+    had_instance_forward = "forward" in mlp.__dict__
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        hidden = args[0] if args else None
+        if not isinstance(hidden, Tensor) or hidden.shape[:-1] != run.shape:
+            return original(*args, **kwargs)
+        args = args[1:]
+        rows = run.reshape(-1).nonzero().squeeze(1)
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        output = original(flat.index_select(0, rows).unsqueeze(0), *args, **kwargs)
+        computed = output[0] if isinstance(output, tuple) else output  # a mixture may add its router logits
+        scattered = computed.new_zeros(flat.shape[0], computed.shape[-1])
+        scattered.index_copy_(0, rows, computed.reshape(-1, computed.shape[-1]))
+        spared.append(flat.shape[0] - rows.numel())
+        scattered = scattered.view(*hidden.shape[:-1], computed.shape[-1])
+        return (scattered, *output[1:]) if isinstance(output, tuple) else scattered
+
+    mlp.forward = forward
+    try:
+        yield spared
+    finally:
+        if had_instance_forward:
+            mlp.forward = original
+        else:
+            mlp.__dict__.pop("forward", None)
 
 
 def _mark_cacheless(cache: Any, layer_idx: int) -> None:

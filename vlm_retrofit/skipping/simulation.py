@@ -31,6 +31,7 @@ class SkipSimulation(SkipController):
     """
 
     mode = "blend"
+    sparse_mlp = False  # the straight-through gradient reads the layer's output at the skipping positions too
 
     def __init__(self, adapter: RouterAdapter, drop_rate: float = 0.0, *, use_gates: bool = True,
                  budget: int | float | None = None, generator: torch.Generator | None = None,
