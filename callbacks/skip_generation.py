@@ -10,7 +10,7 @@ from typing import Any, Callable, ContextManager, Mapping
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.utilities import rank_zero_only
+from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 from torch import Tensor
 
 from vlm_retrofit.skipping import SkipReport, calibrate
@@ -78,6 +78,7 @@ class SkipAwareGenerationCallback(pl.Callback):
         self.active_policy = policy or "recent_weight"
         """The policy generating runs with: `policy`, or the model's when None (resolved in `setup`)."""
         self._batches: list[Mapping[str, Any]] = []
+        self._warned_replacement = False
         self.last_metrics: dict[str, float] = {}
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -91,6 +92,19 @@ class SkipAwareGenerationCallback(pl.Callback):
             raise InputError("SkipAwareGenerationCallback's policy 'gate' needs routers with skip gates, and this "
                              "model has none (router.skip_gate: false): give the callback another policy "
                              "(recent_weight, static, random) as the run's --config does, or enabled: false")
+
+    def _warn_if_replacement_unused(self, pl_module: pl.LightningModule, removed_layers: list[int]) -> None:
+        """Say once when the static removal measured is not the one the student's replacement was fitted for: the
+        replacement then stays out and the token match is that of the bare removal."""
+        if self._warned_replacement or not getattr(pl_module, "replacements", None):
+            return
+        fitted = sorted(pl_module.replacement_layers())
+        if sorted(removed_layers) != fitted:
+            self._warned_replacement = True
+            rank_zero_warn(f"SkipAwareGenerationCallback: the static removal at target_saving={self.target_saving} "
+                           f"removes layers {sorted(removed_layers)}, and the replacement was fitted for layers "
+                           f"{fitted}: the logged token match is the removal's without the replacement. Set the "
+                           "callback's target_saving to the removal schedule's largest removal to measure the student")
 
     def _active(self, trainer: pl.Trainer) -> bool:
         return (self.enabled and not trainer.sanity_checking and trainer.is_global_zero
@@ -117,6 +131,8 @@ class SkipAwareGenerationCallback(pl.Callback):
         replaced = getattr(pl_module, "replacement_applied", None)
         skip_context = (functools.partial(replaced, adapter.layout.layers_of_blocks(settings["blocks"]))
                         if replaced is not None and "blocks" in settings else None)
+        if skip_context is not None:
+            self._warn_if_replacement_unused(pl_module, adapter.layout.layers_of_blocks(settings["blocks"]))
         metrics, report = compare_generation(model, adapter, prompts, self.active_policy, settings, tokenizer,
                                              max_new_tokens=self.max_new_tokens, skip_context=skip_context)
         self.last_metrics = metrics

@@ -790,3 +790,24 @@ def test_overhead_gate_threshold_skips_the_asked_share_of_the_text():
                            pad_token_id=tokenizer.pad_token_id)
     assert 0.0 < threshold < 1.0
     assert abs(report.skipped_text_layer_fraction - 0.2) < 0.05, report.skipped_text_layer_fraction
+
+
+def test_sparse_mlp_bench_times_the_prefill_side_by_side_and_defaults_to_the_gates():
+    """`python -m bench.sparse_mlp`: bench.measure's command line with the gate policy, and a paired prefill ratio
+    that runs each side inside its own context."""
+    from bench.sparse_mlp import build_parser as sparse_parser, prefill_ratio
+
+    args = sparse_parser().parse_args(["some/adapter"])
+    assert (args.policy, args.targets, args.rounds, args.skip_image_positions) == ("gate", [0.2, 0.3], 6, False)
+    model, tokenizer = tiny_vlm("llama", num_hidden_layers=4)
+    adapter = attach_routers(model, RouterConfig())
+    inputs = dict(tiny_inputs(tokenizer, batch=1))
+    entered = []
+
+    def static():
+        entered.append("static")
+        return adapter.skipping("static", blocks=[1])
+
+    with torch.no_grad():
+        ratio = prefill_ratio(model, inputs, static, adapter.disabled, rounds=2)
+    assert ratio > 0 and entered == ["static"] * 3  # one untimed call, then one per round

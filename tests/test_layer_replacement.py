@@ -2,6 +2,7 @@
 equals the folded weights, adapter and checkpoint round trips, the pruned release runs the student's model."""
 
 import json
+import warnings
 
 import pytest
 import torch
@@ -323,3 +324,16 @@ def test_a_static_removal_through_the_routers_runs_what_the_student_runs(replace
     metrics, report = compare_generation(module.model, module.adapter, [prompt], "static", {"blocks": [2, 3]},
                                          tokenizer, max_new_tokens=3, skip_context=context)
     assert entered == [True] and report.skipped_layer_fraction > 0
+
+    # A callback whose calibration removes other layers says so, once: its token match is then the bare removal's.
+    from vlm_retrofit.callbacks import SkipAwareGenerationCallback
+
+    callback = SkipAwareGenerationCallback(target_saving=0.25)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        callback._warn_if_replacement_unused(module, [2, 3])
+        assert not caught
+        callback._warn_if_replacement_unused(module, [3])
+        callback._warn_if_replacement_unused(module, [3])
+    assert len(caught) == 1 and "removes layers [3], and the replacement was fitted for layers [2, 3]" in str(
+        caught[0].message)
