@@ -7,7 +7,7 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -36,14 +36,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def prepare(args: argparse.Namespace, tool: str) -> tuple[Callable[[str], None], Any, Callable[[], Any]]:
+    """Refuse a folder without an adapter, then build (or reuse) the real VLM and the shards and load the model and
+    the eval set as `args` set them. Returns a timestamped logger, the `Bench` and a function loading another copy of
+    the model (a LoRA is merged into one)."""
     adapter_dir = Path(args.adapter)
     if not (adapter_dir / "adapter_config.json").is_file():  # refused before the minutes of loading and base outputs
-        raise SystemExit(f"bench.measure: {adapter_dir} holds no adapter_config.json; pass the folder `fit` exported "
+        raise SystemExit(f"{tool}: {adapter_dir} holds no adapter_config.json; pass the folder `fit` exported "
                          "(<default_root_dir>/adapter) or one written by `RouterAdapter.save_pretrained`")
-    name = args.name or adapter_dir.resolve().parent.name
-    out = Path(args.out) if args.out else adapter_dir.resolve().parent / "measure.json"
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     torch.manual_seed(0)
@@ -54,13 +54,27 @@ def main(argv: list[str] | None = None) -> int:
 
     from . import efficientnet_tower  # noqa: F401  registers the vision tower's config before any loading
     from .data import write_bench_shards
-    from .real_vlm import build_real_vlm, weights_digest
-    from .sweep import Bench, measure_adapter, rank_blocks
+    from .real_vlm import build_real_vlm
+    from .sweep import Bench
 
     manifest = write_bench_shards()
     args.backbone, args.replacement_batches = str(build_real_vlm()), 0  # the linear replacement is not measured here
     model, processor, data, load_model = load_for_measuring(args, manifest)
-    bench = Bench(model, processor, data, args.new_tokens)
+    return log, Bench(model, processor, data, args.new_tokens), load_model
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    started = time.time()
+    log, bench, load_model = prepare(args, "bench.measure")
+    adapter_dir = Path(args.adapter)
+    name = args.name or adapter_dir.resolve().parent.name
+    out = Path(args.out) if args.out else adapter_dir.resolve().parent / "measure.json"
+
+    from .real_vlm import weights_digest
+    from .sweep import measure_adapter, rank_blocks
+
+    model, data = bench.model, bench.data
     base = bench.measure_base()
     log(f"base: {base}")
     order = rank_blocks(model, data.calibration, Path(args.runs), log) if args.policy != "static" else []

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 from pathlib import Path
@@ -23,7 +22,7 @@ from typing import Any
 
 import torch
 
-from .measure import build_parser as measure_parser
+from .measure import build_parser as measure_parser, prepare
 
 
 def prefill_ratio(model, inputs: dict[str, Any], method, base_method, rounds: int) -> float:
@@ -59,29 +58,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    started = time.time()
+    log, bench, load_model = prepare(args, "bench.sparse_mlp")
     adapter_dir = Path(args.adapter)
     out = Path(args.out) if args.out else adapter_dir.resolve().parent / "sparse_mlp.json"
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    torch.manual_seed(0)
-    started = time.time()
-
-    def log(message: str) -> None:
-        print(f"[{time.time() - started:7.1f}s] {message}", flush=True)
 
     from vlm_retrofit import RouterAdapter
 
-    from . import efficientnet_tower  # noqa: F401  registers the vision tower's config before any loading
-    from .data import write_bench_shards
     from .evaluate import speed_ratio, timed_generate
-    from .real_vlm import build_real_vlm
-    from .run import load_for_measuring, machine
-    from .sweep import Bench, calibrated_per_workload, candidates_at, cheapest_blocks, rank_blocks
+    from .run import machine
+    from .sweep import calibrated_per_workload, candidates_at, cheapest_blocks, rank_blocks
 
-    manifest = write_bench_shards()
-    args.backbone, args.replacement_batches = str(build_real_vlm()), 0
-    model, processor, data, load_model = load_for_measuring(args, manifest)
-    bench = Bench(model, processor, data, args.new_tokens)
+    model, data = bench.model, bench.data
     order = rank_blocks(model, data.calibration, Path(args.runs), log)
     target_model = model
     if (adapter_dir / "lora").is_dir():  # merged into a copy of the base, as the benchmark measures it
