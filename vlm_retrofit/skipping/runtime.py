@@ -200,8 +200,8 @@ class SkipController:
         self._restore.append((layer, layer.__dict__["forward"] if had_instance_forward else None))
         layer.forward = forward
         spec = self.adapter.spec
-        mlp = getattr(layer, spec.mlp_attr, None) if spec.mlp_attr else None
-        if isinstance(mlp, nn.Module):
+        mlp = getattr(layer, spec.mlp_attr, None) if spec.mlp_attr and self.sparse_mlp else None
+        if isinstance(mlp, nn.Module):  # costed once per context (training makes one per step, without it)
             self._mlps[index] = (mlp, weight_flops(mlp, spec.get_text_config(self.adapter.model)))
 
     def _capture_input_ids(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
