@@ -88,26 +88,43 @@ def timed_generate(model, inputs: dict[str, Any], pad_token_id: int, new_tokens:
     return time.perf_counter() - start
 
 
+def timed_forward(model, inputs: dict[str, Any]) -> float:
+    """Wall-clock seconds of one forward over `inputs`: a generate call's prefill (the vision tower included)."""
+    _sync()
+    start = time.perf_counter()
+    model(**inputs)
+    _sync()
+    return time.perf_counter() - start
+
+
 WARM_UP_TOKENS = 2  # prefill and one decoding step: each shape a timed call runs
 
 
 def paired_speed_ratios(model, inputs: dict[str, Any], method: Method, base_method: Method, pad_token_id: int, *,
                         rounds: int = 4, new_tokens: int = 32) -> list[float]:
-    """One decode-speed ratio (tokens/s under `method` ÷ under `base_method`) per round, each from two adjacent
-    generate calls in ABBA order: the base first in even rounds, `method` first in odd ones, so that a machine
-    speeding up or slowing down during the measurement favours neither side. Each side first runs one short call,
-    untimed: a device's first calls pay one-off costs (CUDA's lazy initialisation and kernel choice). Paid by the
-    first round's base call, they made a 2-round GPU measurement read the routed model 1.87x the base's speed."""
-    for warm_up in (base_method, method):
-        with warm_up():
-            timed_generate(model, inputs, pad_token_id, WARM_UP_TOKENS)
+    """One decode-speed ratio (tokens/s under `method` ÷ under `base_method`) per round of `paired_ratios`, each
+    from one greedy generate call of `new_tokens` per side (the untimed warm-up calls generate `WARM_UP_TOKENS`)."""
+    return paired_ratios(lambda: timed_generate(model, inputs, pad_token_id, new_tokens), method, base_method,
+                         rounds=rounds, warm_up=lambda: timed_generate(model, inputs, pad_token_id, WARM_UP_TOKENS))
+
+
+def paired_ratios(timed: Callable[[], float], method: Method, base_method: Method, *, rounds: int,
+                  warm_up: Callable[[], Any] | None = None) -> list[float]:
+    """Seconds of `timed()` under `base_method` ÷ under `method`, one ratio per round, each from two adjacent calls
+    in ABBA order: the base first in even rounds, `method` first in odd ones, so that a machine speeding up or
+    slowing down during the measurement favours neither side. Each side first runs `warm_up` (default `timed`)
+    once, untimed: a device's first calls pay one-off costs (CUDA's lazy initialisation and kernel choice). Paid by
+    the first round's base call, they made a 2-round GPU measurement read the routed model 1.87x the base's speed."""
+    for side in (base_method, method):
+        with side():
+            (warm_up or timed)()
     ratios = []
     for round_ in range(rounds):
         order = (base_method, method) if round_ % 2 == 0 else (method, base_method)
         seconds = []
         for run in order:
             with run():
-                seconds.append(timed_generate(model, inputs, pad_token_id, new_tokens))
+                seconds.append(timed())
         base_seconds, method_seconds = seconds if round_ % 2 == 0 else seconds[::-1]
         ratios.append(base_seconds / method_seconds)
     return ratios

@@ -26,22 +26,11 @@ from .measure import build_parser as measure_parser, prepare
 
 
 def prefill_ratio(model, inputs: dict[str, Any], method, base_method, rounds: int) -> float:
-    """Seconds of one forward over `inputs` (a generate call's prefill: the vision tower and every prompt position)
-    under `base_method` ÷ under `method`, the median of `rounds` paired rounds in ABBA order after one untimed call
-    each."""
-    for warm_up in (base_method, method):
-        with warm_up():
-            model(**inputs)
-    ratios = []
-    for round_ in range(rounds):
-        seconds = {}
-        for side in ((base_method, method) if round_ % 2 == 0 else (method, base_method)):
-            with side():
-                started = time.perf_counter()
-                model(**inputs)
-                seconds[side] = time.perf_counter() - started
-        ratios.append(seconds[base_method] / seconds[method])
-    return statistics.median(ratios)
+    """Seconds of one forward over `inputs` (a generate call's prefill) under `base_method` ÷ under `method`: the
+    median of `rounds` paired rounds (`bench.evaluate.paired_ratios`)."""
+    from .evaluate import paired_ratios, timed_forward
+
+    return statistics.median(paired_ratios(lambda: timed_forward(model, inputs), method, base_method, rounds=rounds))
 
 
 def build_parser() -> argparse.ArgumentParser:

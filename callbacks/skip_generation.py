@@ -96,15 +96,14 @@ class SkipAwareGenerationCallback(pl.Callback):
     def _warn_if_replacement_unused(self, pl_module: pl.LightningModule, removed_layers: list[int]) -> None:
         """Say once when the static removal measured is not the one the student's replacement was fitted for: the
         replacement then stays out and the token match is that of the bare removal."""
-        if self._warned_replacement or not getattr(pl_module, "replacements", None):
+        if self._warned_replacement or not pl_module.replacements or pl_module.replacement_fits(removed_layers):
             return
-        fitted = sorted(pl_module.replacement_layers())
-        if sorted(removed_layers) != fitted:
-            self._warned_replacement = True
-            rank_zero_warn(f"SkipAwareGenerationCallback: the static removal at target_saving={self.target_saving} "
-                           f"removes layers {sorted(removed_layers)}, and the replacement was fitted for layers "
-                           f"{fitted}: the logged token match is the removal's without the replacement. Set the "
-                           "callback's target_saving to the removal schedule's largest removal to measure the student")
+        self._warned_replacement = True
+        rank_zero_warn(f"SkipAwareGenerationCallback: the static removal at target_saving={self.target_saving} removes "
+                       f"layers {sorted(removed_layers)}, and the replacement was fitted for layers "
+                       f"{sorted(pl_module.replacement_layers())}: the logged token match is the removal's without the "
+                       "replacement. Set the callback's target_saving to the removal schedule's largest removal to "
+                       "measure the student")
 
     def _active(self, trainer: pl.Trainer) -> bool:
         return (self.enabled and not trainer.sanity_checking and trainer.is_global_zero
@@ -129,10 +128,11 @@ class SkipAwareGenerationCallback(pl.Callback):
             settings = calibrate(adapter, prompts, self.target_saving, self.active_policy, store=False).settings
         # A healing run's replacement of the removed layers belongs to its student: the static removal runs with it.
         replaced = getattr(pl_module, "replacement_applied", None)
-        skip_context = (functools.partial(replaced, adapter.layout.layers_of_blocks(settings["blocks"]))
-                        if replaced is not None and "blocks" in settings else None)
-        if skip_context is not None:
-            self._warn_if_replacement_unused(pl_module, adapter.layout.layers_of_blocks(settings["blocks"]))
+        skip_context = None
+        if replaced is not None and "blocks" in settings:
+            removed = adapter.layout.layers_of_blocks(settings["blocks"])
+            self._warn_if_replacement_unused(pl_module, removed)
+            skip_context = functools.partial(replaced, removed)
         metrics, report = compare_generation(model, adapter, prompts, self.active_policy, settings, tokenizer,
                                              max_new_tokens=self.max_new_tokens, skip_context=skip_context)
         self.last_metrics = metrics

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 from torch import Tensor, nn
@@ -129,8 +128,12 @@ class SkipController:
         # The unpatched layers' costs, counted by kind (full / sliding attention): summed once per forward at decode.
         self._unpatched_costs = Counter(self.costs[i] for i in range(self.layout.num_layers) if i not in patched_layers)
         self._restore: list[tuple[nn.Module, Any]] = []
-        self._mlps: dict[int, tuple[nn.Module, int]] = {}
-        """Per patched layer index: its position-wise MLP and that MLP's FLOPs per token (`sparse_mlp`)."""
+        self._mlp_flops: dict[int, int] = {}
+        """Per patched layer index whose position-wise MLP runs on the running rows only: its FLOPs per token."""
+        self._mlp_rows: Tensor | None = None
+        """The run mask [B, T] of the mixed block running now, read by its patched MLP; None outside one."""
+        self._mlp_spared = 0
+        """Rows the patched MLP left out in the mixed block running now."""
         self._started = 0.0
         self._image_ids = torch.tensor(sorted(adapter.spec.image_token_ids(unwrap_model(adapter.model).config)))
         self._token_is_image: Tensor | None = None
@@ -191,18 +194,34 @@ class SkipController:
 
     def _patch(self, block: int, index: int, layer: nn.Module) -> None:
         original = layer.forward  # bound method of the class (or an earlier instance patch)
-        had_instance_forward = "forward" in layer.__dict__
         parts = self.adapter.spec.attention_parts(layer)
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             return self._layer_forward(block, index, layer, parts, original, args, kwargs)
 
-        self._restore.append((layer, layer.__dict__["forward"] if had_instance_forward else None))
-        layer.forward = forward
+        self._patch_forward(layer, forward)
         spec = self.adapter.spec
         mlp = getattr(layer, spec.mlp_attr, None) if spec.mlp_attr and self.sparse_mlp else None
         if isinstance(mlp, nn.Module):  # costed once per context (training makes one per step, without it)
-            self._mlps[index] = (mlp, weight_flops(mlp, spec.get_text_config(self.adapter.model)))
+            self._mlp_flops[index] = weight_flops(mlp, spec.get_text_config(self.adapter.model))
+            self._patch_forward(mlp, self._rows_only(mlp.forward))
+
+    def _patch_forward(self, module: nn.Module, forward: Callable[..., Any]) -> None:
+        """Give `module` an instance `forward` for the context; `_unpatch` restores the one it had."""
+        self._restore.append((module, module.__dict__.get("forward")))
+        module.forward = forward
+
+    def _rows_only(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        """An MLP's forward that, while a mixed block runs (`_mlp_rows` set), computes the running rows only."""
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            if self._mlp_rows is None:
+                return original(*args, **kwargs)
+            output, spared = rows_only(original, self._mlp_rows, args, kwargs)
+            self._mlp_spared += spared
+            return output
+
+        return forward
 
     def _capture_input_ids(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         # Which positions are visual placeholders: per-modality thresholds need it at every layer.
@@ -389,56 +408,39 @@ class SkipController:
             if cache is not None:
                 self.report.kv_only_layers.add(index)
             return hidden
-        mlp = self._mlps.get(index) if self.sparse_mlp else None
-        if mlp is None:
+        mlp_flops = self._mlp_flops.get(index)
+        if mlp_flops is None:
             self.report.record_layer("mixed", full, full, is_prefill)
             return _map_output(original(*args, **kwargs), lambda out: self._combine(block, hidden, out, skip))
-        module, mlp_flops = mlp
-        with mlp_on_rows(module, ~skip) as spared_rows:
+        self._mlp_rows, self._mlp_spared = ~skip, 0
+        try:
             output = original(*args, **kwargs)
-        self.report.record_layer("mixed", full - sum(spared_rows) * mlp_flops, full, is_prefill)
+        finally:
+            self._mlp_rows = None
+        self.report.record_layer("mixed", full - self._mlp_spared * mlp_flops, full, is_prefill)
         return _map_output(output, lambda out: self._combine(block, hidden, out, skip))
 
     def _combine(self, block: int, hidden: Tensor, out: Tensor, skip: Tensor) -> Tensor:
         return torch.where(skip[..., None], hidden, out)
 
 
-@contextmanager
-def mlp_on_rows(mlp: nn.Module, run: Tensor) -> Iterator[list[int]]:
-    """While the context lasts, `mlp` called on hidden states of `run`'s shape ([B, T]) computes the positions where
-    `run` is True only, as one [1, N, D] call, and returns zeros at the others. Yields a list that gets, per such
-    call, how many positions it spared.
-
-    Exact for a position-wise MLP at the positions computed; another call (other shape, or no positional hidden
-    states) runs it as it is.
-    """
-    spared: list[int] = []
-    original = mlp.forward
-    had_instance_forward = "forward" in mlp.__dict__
-
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        hidden = args[0] if args else None
-        if not isinstance(hidden, Tensor) or hidden.shape[:-1] != run.shape:
-            return original(*args, **kwargs)
-        args = args[1:]
-        rows = run.reshape(-1).nonzero().squeeze(1)
-        flat = hidden.reshape(-1, hidden.shape[-1])
-        output = original(flat.index_select(0, rows).unsqueeze(0), *args, **kwargs)
-        computed = output[0] if isinstance(output, tuple) else output  # a mixture may add its router logits
-        scattered = computed.new_zeros(flat.shape[0], computed.shape[-1])
-        scattered.index_copy_(0, rows, computed.reshape(-1, computed.shape[-1]))
-        spared.append(flat.shape[0] - rows.numel())
-        scattered = scattered.view(*hidden.shape[:-1], computed.shape[-1])
-        return (scattered, *output[1:]) if isinstance(output, tuple) else scattered
-
-    mlp.forward = forward
-    try:
-        yield spared
-    finally:
-        if had_instance_forward:
-            mlp.forward = original
-        else:
-            mlp.__dict__.pop("forward", None)
+def rows_only(mlp_forward: Callable[..., Any], run: Tensor, args: tuple, kwargs: dict) -> tuple[Any, int]:
+    """Call `mlp_forward` on the rows of its hidden states (the first positional argument, of `run`'s shape [B, T]
+    before the hidden size) where `run` is True only, as one [1, N, D] call, with zeros at the other rows; returns
+    the output and how many rows it spared. Exact for a position-wise MLP at the rows computed. A call of another
+    shape (or without positional hidden states) runs as it is and spares none."""
+    hidden = args[0] if args else None
+    if not isinstance(hidden, Tensor) or hidden.shape[:-1] != run.shape:
+        return mlp_forward(*args, **kwargs), 0
+    rows = run.reshape(-1).nonzero().squeeze(1)
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    output = mlp_forward(flat.index_select(0, rows).unsqueeze(0), *args[1:], **kwargs)
+    computed = output[0] if isinstance(output, tuple) else output  # a mixture may add its router logits
+    scattered = computed.new_zeros(flat.shape[0], computed.shape[-1])
+    scattered.index_copy_(0, rows, computed.reshape(-1, computed.shape[-1]))
+    scattered = scattered.view(*hidden.shape[:-1], computed.shape[-1])
+    spared = flat.shape[0] - rows.numel()
+    return ((scattered, *output[1:]) if isinstance(output, tuple) else scattered), spared
 
 
 def _mark_cacheless(cache: Any, layer_idx: int) -> None:

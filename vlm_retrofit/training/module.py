@@ -672,12 +672,16 @@ class RetrofitModule(pl.LightningModule):
         removing `removed_layers` through the routers computes what the healing student computes (e.g. for
         `SkipAwareGenerationCallback`). Nothing changes where there is no replacement or it was fitted for other
         layers: its layers would then stand in front of a span that still runs."""
-        if not self.replacements or sorted({int(i) for i in removed_layers}) != sorted(self.replacement_layers()):
+        if not self.replacement_fits(removed_layers):
             yield
             return
         with replacements_applied(self.model, self.adapter.spec, self._linear_replacements()), \
                 forwards_substituted(self.adapter.spec.get_layers(self.model), self.replacement_substitutes()):
             yield
+
+    def replacement_fits(self, removed_layers: Iterable[int]) -> bool:
+        """Whether there is a replacement and it was fitted for removing exactly `removed_layers`."""
+        return bool(self.replacements) and sorted({int(i) for i in removed_layers}) == sorted(self.replacement_layers())
 
     def _linear_replacements(self) -> dict[int, Tensor]:
         """The linear maps among the replacements (applied by hooks; a layer replacement runs as a substitute)."""
