@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 import re
 from pathlib import Path
 from typing import Any
@@ -86,6 +87,51 @@ def _skipped(record: dict[str, Any]) -> str:
     return " / ".join(cells)
 
 
+def paired_bootstrap(ours: list[float], other: list[float], resamples: int = 10_000, seed: int = 0,
+                     level: float = 0.95) -> tuple[float, float, float]:
+    """Mean of `ours - other` over paired items (the same captions) and its percentile bootstrap interval at `level`
+    (the items resampled with replacement `resamples` times): (mean, low, high)."""
+    if len(ours) != len(other) or not ours:
+        raise ValueError(f"a paired comparison needs two equally long, non-empty lists, got {len(ours)} and "
+                         f"{len(other)} items")
+    differences = [a - b for a, b in zip(ours, other)]
+    count, rng = len(differences), random.Random(seed)
+    means = sorted(sum(differences[rng.randrange(count)] for _ in range(count)) / count for _ in range(resamples))
+    tail = (1 - level) / 2
+    return sum(differences) / count, means[int(tail * resamples)], means[min(resamples - 1, int((1 - tail) * resamples))]
+
+
+def agreement_comparison(records: list[dict[str, Any]]) -> list[str]:
+    """Markdown lines: at each target, our row with the lowest perplexity ratio against the other method's row with
+    the highest top-1 agreement, paired over the captions (`agreement_per_caption`): at 20 captions one row can lead
+    another by a few hundredths by chance. Empty where the records carry no per-caption agreement."""
+    def paired(record: dict[str, Any]) -> bool:
+        return bool(record.get("agreement_per_caption")) and record["target"] > 0
+
+    rows = []
+    for target in sorted({r["target"] for r in records if paired(r)}):
+        at = [r for r in records if r["target"] == target and paired(r)]
+        ours = [r for r in at if r["method"].startswith("ours")]
+        others = [r for r in at if not r["method"].startswith("ours")]
+        if not ours or not others:
+            continue
+        best = min(ours, key=lambda r: r["ppl_ratio"])
+        rival = max(others, key=lambda r: r["agreement"])
+        if len(best["agreement_per_caption"]) != len(rival["agreement_per_caption"]):
+            continue
+        mean, low, high = paired_bootstrap(best["agreement_per_caption"], rival["agreement_per_caption"])
+        verdict = "ahead" if low > 0 else "behind" if high < 0 else "not told apart"
+        rows.append(f"| {target:.2f} | {best['method']} | {best['agreement']:.3f} | {rival['method']} | "
+                    f"{rival['agreement']:.3f} | {mean:+.3f} [{low:+.3f}, {high:+.3f}]: {verdict} |")
+    if not rows:
+        return []
+    captions = len(next(r for r in records if paired(r))["agreement_per_caption"])
+    return ["", f"Top-1 agreement, ours against the best other row (paired over the same {captions} captions; 95 % "
+                "bootstrap interval of the difference: one that holds 0 does not tell the two apart):", "",
+            "| target | ours (lowest perplexity ratio) | agreement | other method, highest agreement | agreement | "
+            "ours − other [95 % interval] |", "|---|---|---|---|---|---|", *rows]
+
+
 def write_report(results: dict[str, Any], out_dir: Path) -> None:
     """results.json, RESULTS.md (tables) and pareto.png (layer executions skipped vs quality, one curve per method)."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -160,6 +206,7 @@ def write_report(results: dict[str, Any], out_dir: Path) -> None:
                                  _fmt(r.get("compute_saved_decode")), _skipped(r),
                                  _fmt(r["agreement"]), _fmt(r.get("kl")), _fmt(r["ppl_ratio"]), _fmt(r["rouge_l"]),
                                  _fmt(r.get("rouge_l_ratio")), _speed(r, "b1"), _speed(r, "b8"), ""]).strip())
+    lines += agreement_comparison(results["records"])
     lines += ["", results.get("notes", "")]
     report = out_dir / "RESULTS.md"
     # Measurements recorded between runs are not in results.json: a new run's report must not drop them. A report

@@ -127,6 +127,8 @@ class Bench:
             reports.append(report)
         result = {
             "agreement": sum(agreement) / len(agreement),
+            # Per caption, in eval-set order: what a paired comparison of two rows resamples (report.py).
+            "agreement_per_caption": [round(value, 4) for value in agreement],
             "kl": sum(kl) / len(kl),
             "ppl_ratio": perplexity(self.model, self.data.text_chunks, text_method or method, ppl_reports)
             / self.base["ppl"],

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # bench/ is a folder at the repository root, not an installed package
 
-from bench.report import KEPT_MARKER, write_report  # noqa: E402
+from bench.report import KEPT_MARKER, agreement_comparison, paired_bootstrap, write_report  # noqa: E402
 from bench.run import BASELINES_OUT, ROOT, VARIANTS, build_parser, report_dir, selected_variants  # noqa: E402
 from bench.evaluate import nullmethod, perplexity, routing_share, timed_routing  # noqa: E402
 from bench.sweep import Bench, EvalSet, measure_baselines, measure_pruned  # noqa: E402
@@ -102,7 +102,12 @@ def test_every_workload_records_the_skipping_it_realised():
     static = bench.measure(lambda: identity.skipping("static", blocks=[2, 3]), speed=False)
     for key in ("skipped_fraction", "tf_skipped_fraction", "ppl_skipped_fraction"):
         assert static[key] == pytest.approx(2 / 6), key  # a static removal skips its share on every workload
-    assert "ppl_skipped_fraction" not in bench.measure(nullmethod, speed=False)  # the base yields no count
+    base = bench.measure(nullmethod, speed=False)
+    assert "ppl_skipped_fraction" not in base  # the base yields no count
+    # The base agrees with its own continuations on every caption: the per-caption values a paired comparison takes.
+    assert base["agreement_per_caption"] == [1.0] * len(bench.data.captions) and base["agreement"] == 1.0
+    assert static["agreement"] == pytest.approx(sum(static["agreement_per_caption"]) / len(bench.data.captions),
+                                                abs=1e-4)
     identity.detach()
 
     # A per-token rule realises its own fraction on each workload: each counts that workload's passes only.
@@ -256,6 +261,48 @@ def test_report_writes_json_markdown_and_plot(tmp_path):
     (out / "RESULTS.md").write_text("# An older report, without the marker\n")
     write_report(results, out)
     assert (out / "RESULTS.before.md").read_text() == "# An older report, without the marker\n"  # kept whole
+
+
+def test_paired_bootstrap_brackets_the_mean_difference_and_narrows_with_more_pairs():
+    assert paired_bootstrap([0.9, 0.8, 0.7], [0.9, 0.8, 0.7]) == (0.0, 0.0, 0.0)
+    assert paired_bootstrap([1.0] * 4, [0.5] * 4) == (0.5, 0.5, 0.5)  # every resample sees the same difference
+    few = [0.1, -0.1] * 5
+    mean, low, high = paired_bootstrap([0.8 + d for d in few], [0.8] * 10)
+    assert mean == pytest.approx(0.0) and low < 0 < high
+    _, wide_low, wide_high = paired_bootstrap([0.8 + d for d in few * 10], [0.8] * 100)
+    assert low < wide_low < 0 < wide_high < high  # ten times the captions: a narrower interval
+    assert paired_bootstrap([0.5, 0.6], [0.6, 0.5], seed=3) == paired_bootstrap([0.5, 0.6], [0.6, 0.5], seed=3)
+    with pytest.raises(ValueError, match="equally long"):
+        paired_bootstrap([0.5], [0.5, 0.6])
+
+
+def test_agreement_comparison_pairs_our_best_row_with_the_most_agreeing_other_row():
+    def row(method, target, ppl, per_caption):
+        return {"method": method, "target": target, "ppl_ratio": ppl, "agreement_per_caption": per_caption,
+                "agreement": sum(per_caption) / len(per_caption)}
+
+    records = [
+        row("ours-healed", 0.1, 1.0, [0.9, 1.0, 0.8, 1.0]),         # lowest perplexity ratio of ours at 0.1
+        row("ours-gate", 0.1, 1.5, [1.0, 1.0, 1.0, 1.0]),           # agrees more, but is not our best row
+        row("random", 0.1, 3.0, [0.5, 0.6, 0.4, 0.5]),
+        row("static-span", 0.1, 1.3, [0.6, 0.6, 0.7, 0.6]),          # the other row that agrees most
+        row("ours-healed", 0.2, 1.1, [0.5, 0.6, 0.4, 0.5]),
+        row("static-span", 0.2, 1.6, [0.9, 0.9, 0.8, 0.9]),
+        row("ours-healed", 0.3, 1.2, [0.8, 0.6, 0.8, 0.6]),
+        row("random", 0.3, 5.0, [0.6, 0.8, 0.6, 0.8]),
+        row("ours-healed", 0.0, 1.0, [1.0, 1.0, 1.0, 1.0]),          # nothing skipped: not a comparison
+        {"method": "static-old", "target": 0.4, "ppl_ratio": 2.0, "agreement": 0.9},  # an older record: no pairs
+    ]
+    lines = agreement_comparison(records)
+    assert "same 4 captions" in lines[1]
+    rows = [line for line in lines if line.startswith("| 0.")]
+    assert [line.split(" | ")[:2] + [line.split(" | ")[3]] for line in rows] == [
+        ["| 0.10", "ours-healed", "static-span"], ["| 0.20", "ours-healed", "static-span"],
+        ["| 0.30", "ours-healed", "random"]]
+    assert rows[0].endswith(": ahead |") and "+0.300" in rows[0]
+    assert rows[1].endswith(": behind |") and "-0.375" in rows[1]
+    assert rows[2].endswith(": not told apart |") and "+0.000" in rows[2]
+    assert agreement_comparison([records[-1]]) == []  # records without per-caption agreement: no section
 
 
 def test_the_recorded_analysis_is_the_one_results_json_holds():
@@ -473,6 +520,17 @@ def test_an_adapter_healed_by_hand_is_reused_only_as_the_variant_trains_it(tmp_p
     # the other targets remove (its first one at 10 %, and too few at 30 %).
     recorded([2, 3])
     assert len(stale_runs(variants, tmp_path, keys)) == 1
+    # An adapter measured at its own target only removes all of its order at every step and in every row: the same
+    # layers given by hand in another order are the same adapter, other layers are not.
+    (t10,) = selected_variants(["lora_mlp_span_layer_t10"])
+    t10_key = {t10.name: training_key(t10, removal_settings(t10, orders, 3, 2, target_blocks={0.1: 2}), "budget")}
+    assert t10_key[t10.name]["removal_order"] == [3, 2]
+    for order, stale in (([2, 3], 0), ([3, 2], 0), ([3, 1], 1), ([3, 2, 1], 1)):
+        (tmp_path / t10.name).mkdir(exist_ok=True)
+        (tmp_path / t10.name / "train_info.json").write_text(json.dumps(
+            {"removal_order": order, "max_removed_blocks": 2, "min_removed_blocks": 2, "decay_over": "budget",
+             "recipe": recipe_digest(t10, "budget")}))
+        assert len(stale_runs([t10], tmp_path, t10_key)) == stale, order
     recorded([3, 2, 1, 4], overrides={"replacement_epochs": 16})  # `bench.heal --set`: another recipe
     (stale,) = stale_runs(variants, tmp_path, keys)
     assert "overrides" in stale and "replacement_epochs" in stale
