@@ -52,20 +52,13 @@ def main(argv: list[str] | None = None) -> int:
     adapter_dir = Path(args.adapter)
     out = Path(args.out) if args.out else adapter_dir.resolve().parent / "sparse_mlp.json"
 
-    from vlm_retrofit import RouterAdapter
-
     from .evaluate import speed_ratio, timed_generate
     from .run import machine
-    from .sweep import calibrated_per_workload, candidates_at, cheapest_blocks, rank_blocks
+    from .sweep import calibrated_per_workload, candidates_at, cheapest_blocks, load_trained, rank_blocks
 
     model, data = bench.model, bench.data
     order = rank_blocks(model, data.calibration, Path(args.runs), log)
-    target_model = model
-    if (adapter_dir / "lora").is_dir():  # merged into a copy of the base, as the benchmark measures it
-        from peft import PeftModel
-
-        target_model = PeftModel.from_pretrained(load_model(), adapter_dir / "lora").merge_and_unload().eval()
-    adapter = RouterAdapter.from_pretrained(target_model, adapter_dir, base=model)
+    target_model, adapter = load_trained(adapter_dir, model, load_model)  # as the benchmark measures it
     ranked = cheapest_blocks(adapter, data, order)
     records: list[dict[str, Any]] = []
     for target in args.targets:

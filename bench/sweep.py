@@ -332,6 +332,20 @@ def sweep(bench: Bench, targets: list[float], variants: list, speed_target: floa
     return records, overhead
 
 
+def load_trained(adapter_dir: Path, model, load_model: Callable[[], Any]) -> tuple[Any, Any]:
+    """A trained adapter folder on `model`, as shipped: a LoRA in its `lora/` merged into a copy of the base
+    (`load_model()`, as `merge --merge-lora` does), the routers attached to that copy with `model` as the reference
+    (a merged LoRA may train norms). (the model the adapter runs on, the `RouterAdapter`)"""
+    from vlm_retrofit import RouterAdapter
+
+    target_model = model
+    if (adapter_dir / "lora").is_dir():
+        from peft import PeftModel
+
+        target_model = PeftModel.from_pretrained(load_model(), adapter_dir / "lora").merge_and_unload().eval()
+    return target_model, RouterAdapter.from_pretrained(target_model, adapter_dir, base=model)
+
+
 def measure_adapter(bench: Bench, name: str, policy: str, adapter_dir: Path, targets: list[float], speed_target: float,
                     removal_order: list[int], load_model: Callable[[], Any], log: Callable[[str], None], *,
                     overhead: dict[str, Any] | None = None) -> list[dict[str, Any]]:
@@ -340,19 +354,11 @@ def measure_adapter(bench: Bench, name: str, policy: str, adapter_dir: Path, tar
     static adapter, `ours-<name>-pruned` (the pruned release). `removal_order` ranks the blocks per-token policies
     may skip (`cheapest_blocks`). When `overhead` is given and still unmeasured, the router overhead with skipping
     off is measured on these routers (only on routers without a merged LoRA: the base must be the same model)."""
-    from vlm_retrofit import RouterAdapter
     from vlm_retrofit.replacement import load_replacements
 
     model, data, records = bench.model, bench.data, []
-    lora_dir = adapter_dir / "lora"
-    target_model = model
-    if lora_dir.is_dir():
-        # As shipped: LoRA merged into a copy of the base (`merge --merge-lora`); references stay the base's.
-        from peft import PeftModel
-
-        target_model = PeftModel.from_pretrained(load_model(), lora_dir).merge_and_unload().eval()
-        bench.model = target_model
-    adapter = RouterAdapter.from_pretrained(target_model, adapter_dir, base=model)  # a merged LoRA may train norms
+    target_model, adapter = load_trained(adapter_dir, model, load_model)
+    bench.model = target_model
     replacement = load_replacements(adapter_dir)  # applied only where its layers are the ones removed
     bench.base_method = adapter.disabled  # merged LoRA stays in it: speed ratios compare skipping alone
     if overhead is not None and overhead["router_overhead"] is None and target_model is model:
