@@ -484,7 +484,7 @@ def measure_baselines(bench: Bench, targets: list[float], speed_target: float, r
     Their quality is a deterministic function of the model, the eval set and the settings. With `reuse`, the
     records of an earlier run with the same key (settings, removal order, the base's outputs) are taken from
     `cache` and only their decode speed is measured again, side by side with the base in this run. Every run
-    rewrites `cache`.
+    stores its records in `cache` under its key, beside those of runs with other keys (other targets, say).
     """
     from vlm_retrofit import RouterConfig, attach_routers, calibrate
     from vlm_retrofit.pruning import layers_removed
@@ -498,8 +498,8 @@ def measure_baselines(bench: Bench, targets: list[float], speed_target: float, r
            "span_order": list(span_order or []),
            "per_token_baselines": ("image positions skip" if SKIP_IMAGE_POSITIONS else "image positions run every block")
            + "; random hashed on position and decoder-input bits"}
-    stored = json.loads(cache.read_text()) if reuse and cache.is_file() else {}
-    earlier = {(r["method"], r["target"]): r for r in stored.get("records", [])} if stored.get("key") == key else {}
+    stored = next((entry["records"] for entry in cached_baselines(cache) if entry["key"] == key), []) if reuse else []
+    earlier = {(r["method"], r["target"]): r for r in stored}
     if reuse:
         log(f"baselines: reusing {len(earlier)} records from {cache}" if earlier else
             f"baselines: nothing to reuse in {cache} (missing, or measured with other settings): measuring all")
@@ -597,9 +597,31 @@ def measure_baselines(bench: Bench, targets: list[float], speed_target: float, r
                 metrics["calibration_skipped_fraction"] = calibrated * len(layers) / layout.num_layers
                 records.append(_record(name, target, metrics, **extra))
             log(f"{name} @ {target:.2f}: {records[-1]}")
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    cache.write_text(json.dumps({"key": key, "records": records}, indent=2) + "\n")
+    store_baselines(cache, key, records)
     return records
+
+
+BASELINE_CACHE_ENTRIES = 8  # runs with different keys (targets, settings, builds) kept side by side in the cache
+
+
+def cached_baselines(cache: Path) -> list[dict[str, Any]]:
+    """The baseline records stored in `cache`, one `{"key", "records"}` entry per run key, oldest first (a cache
+    written before 2026-12-06 held a single run's)."""
+    if not cache.is_file():
+        return []
+    stored = json.loads(cache.read_text())
+    return stored.get("entries", [stored] if "key" in stored else [])
+
+
+def store_baselines(cache: Path, key: dict[str, Any], records: list[dict[str, Any]]) -> None:
+    """Store a run's baseline `records` in `cache` under `key`: they replace that key's, the other keys' stay (the
+    newest `BASELINE_CACHE_ENTRIES` in all)."""
+    from vlm_retrofit.files import atomic_write
+
+    entries = [entry for entry in cached_baselines(cache) if entry["key"] != key][-(BASELINE_CACHE_ENTRIES - 1):]
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps({"entries": entries + [{"key": key, "records": records}]}, indent=2) + "\n"
+    atomic_write(cache, lambda tmp: Path(tmp).write_text(text))
 
 
 # -- the eval set ---------------------------------------------------------------------------------

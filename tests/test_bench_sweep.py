@@ -16,7 +16,8 @@ if str(ROOT) not in sys.path:
 from bench.report import KEPT_MARKER, agreement_comparison, paired_bootstrap, write_report  # noqa: E402
 from bench.run import BASELINES_OUT, ROOT, VARIANTS, build_parser, report_dir, selected_variants  # noqa: E402
 from bench.evaluate import nullmethod, perplexity, routing_share, timed_routing  # noqa: E402
-from bench.sweep import Bench, EvalSet, measure_baselines, measure_pruned  # noqa: E402
+from bench.sweep import (BASELINE_CACHE_ENTRIES, Bench, EvalSet, cached_baselines, measure_baselines,  # noqa: E402
+                         measure_pruned, store_baselines)
 from vlm_retrofit import RouterConfig, attach_routers  # noqa: E402
 from vlm_retrofit.backbones import resolve  # noqa: E402
 from vlm_retrofit.pruning import prune_layers  # noqa: E402
@@ -63,7 +64,7 @@ def test_baselines_are_reused_only_under_the_same_key_and_their_speed_is_measure
     cheapest = next(r for r in first if r["method"] == "random-cheapest")
     assert cheapest["settings"]["blocks"] == [1, 2, 3]
     assert next(r for r in first if r["method"].startswith("oracle-update-cheapest"))["candidate_blocks"] == [1, 2, 3]
-    assert json.loads(cache.read_text())["records"] == json.loads(json.dumps(first))
+    assert [entry["records"] for entry in cached_baselines(cache)] == [json.loads(json.dumps(first))]
     greedy = next(r for r in first if r["method"] == "static-greedy-impact")
     assert greedy["settings"] == {"blocks": [2, 3]}  # the order's prefix removing >= 25 % of 6 layers
     assert greedy["speed_measured_as"] == "layers deleted, no routers attached" and greedy["decode_speedup_b1"] > 0
@@ -72,7 +73,7 @@ def test_baselines_are_reused_only_under_the_same_key_and_their_speed_is_measure
 
     # Poison the stored quality: a reused record must come from the file, not from a fresh measurement.
     stored = json.loads(cache.read_text())
-    for record in stored["records"]:
+    for record in stored["entries"][0]["records"]:
         record["agreement"] = -1.0
     cache.write_text(json.dumps(stored))
     reused = _run(bench, cache, {"caption_samples": 2}, reuse=True)
@@ -92,6 +93,25 @@ def test_baselines_are_reused_only_under_the_same_key_and_their_speed_is_measure
     for new, old in zip(other, first):
         assert new["method"] == old["method"]
         assert all(new[k] == old[k] for k in QUALITY if k in old)  # quality is deterministic
+    # ... and stored beside the first settings' records, which a later run under those settings still reuses.
+    assert [entry["key"]["caption_samples"] for entry in cached_baselines(cache)] == [2, 3]
+    again = _run(bench, cache, {"caption_samples": 2}, reuse=True, joint=(2, 4, 3))  # as the first key last ran
+    assert all(r.get("quality_from_earlier_run") for r in again)
+
+
+def test_the_baseline_cache_keeps_the_newest_keys_and_reads_a_one_run_cache(tmp_path):
+    cache = tmp_path / "baselines.json"
+    assert cached_baselines(cache) == []
+    one_run = {"key": {"targets": [0.1]}, "records": [{"method": "random", "target": 0.1}]}
+    cache.write_text(json.dumps(one_run))  # as written before entries
+    assert cached_baselines(cache) == [one_run]
+    for target in (0.2, 0.1, *(0.3 + i / 100 for i in range(BASELINE_CACHE_ENTRIES))):
+        store_baselines(cache, {"targets": [target]}, [{"method": "random", "target": target}])
+    kept = [entry["key"]["targets"][0] for entry in cached_baselines(cache)]
+    assert kept == [0.3 + i / 100 for i in range(BASELINE_CACHE_ENTRIES)]  # the oldest keys went first
+    store_baselines(cache, {"targets": [0.3]}, [])  # a key stored again replaces its records, moved last
+    assert [entry["key"]["targets"][0] for entry in cached_baselines(cache)][-2:] == [0.37, 0.3]
+    assert cached_baselines(cache)[-1]["records"] == [] and len(cached_baselines(cache)) == BASELINE_CACHE_ENTRIES
 
 
 def test_every_workload_records_the_skipping_it_realised():
