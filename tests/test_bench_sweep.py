@@ -355,11 +355,11 @@ def test_every_variant_builds_the_module_it_trains(name):
     """A variant's recipe (router, LoRA targets, skip candidates, replacement settings, its removal) is accepted by
     `RetrofitModule` as `train_variant` passes it: a bad field or a LoRA that matches no layer would otherwise
     surface only after a bench run's minutes of searches."""
-    from bench.run import removal_settings, training_arguments
+    from bench.run import own_span_key, removal_settings, training_arguments
     from vlm_retrofit.training import RetrofitModule
 
     variant = VARIANTS[name]
-    orders = {kind: [9, 8, 10, 11, 7, 12, 3] for kind in ("impact", "joint", "span")}
+    orders = {kind: [9, 8, 10, 11, 7, 12, 3] for kind in ("impact", "joint", "span", own_span_key(6))}
     removal = removal_settings(variant, orders, 6, 4, 2, {0.1: 2, 0.2: 4, 0.3: 6})
     arguments = training_arguments(variant, removal, decay_over="budget")
     module = RetrofitModule(backbone="tiny:llava", backbone_kwargs={"num_hidden_layers": 20}, router=variant.router,
@@ -589,7 +589,10 @@ def test_train_only_trains_every_variant_for_its_own_removal_and_measures_nothin
     impact = [20, 13, 14, 26, 15, 16, 17, 18, 25, 24, 12]
     monkeypatch.setattr(run, "rank_blocks", lambda *a, **k: impact)
     monkeypatch.setattr(run, "joint_removal_order", lambda *a, **k: impact[:9])
-    monkeypatch.setattr(run, "span_removal_order", lambda *a, **k: [14, 16, 13, 15, 17, 18, 26, 25, 24])
+    span_then_greedy, searched = [14, 16, 13, 15, 17, 18, 26, 25, 24], []  # the 20 % span (6), continued to 9
+    monkeypatch.setattr(run, "span_removal_order", lambda model, calibration, order, span_blocks, num_blocks, *a, **k:
+                        searched.append((span_blocks, num_blocks)) or
+                        (span_then_greedy[:num_blocks] if span_blocks == 6 else list(range(12, 12 + span_blocks))))
     trained = {}
     monkeypatch.setattr(run, "train_variant", lambda variant, *a, removal, **k: trained.update(
         {variant.name: removal}) or {"steps": 1})
@@ -602,12 +605,14 @@ def test_train_only_trains_every_variant_for_its_own_removal_and_measures_nothin
         "lora_mlp_span_layer_t10": 3, "lora_mlp_span_layer": 6, "lora_mlp_span_layer_t30": 9, "gate": None}
     assert trained["lora_mlp_span_layer_t10"]["removal_order"] == [14, 16, 13]  # what it removes: measured there only
     assert trained["lora_mlp_span_layer"]["removal_order"] == [14, 16, 13, 15, 17, 18, 26, 25, 24]  # rows at 10-30 %
+    assert trained["lora_mlp_span_layer_t30"]["removal_order"] == list(range(12, 21))  # the cheapest span of its 9
+    assert searched == [(6, 9), (9, 9)]  # the speed target's span continued to the largest target, then its own
     assert not (tmp_path / "out" / "results.json").exists()
 
 
 def test_one_adapter_per_operating_point_trains_and_is_measured_at_its_own_target(monkeypatch):
     import bench.sweep
-    from bench.run import removal_settings
+    from bench.run import own_span_key, removal_settings
 
     orders = {"impact": [1, 2, 3], "joint": [3, 1, 2], "span": [2, 3, 1]}
     counts = {0.1: 1, 0.2: 2, 0.3: 3}
@@ -618,6 +623,11 @@ def test_one_adapter_per_operating_point_trains_and_is_measured_at_its_own_targe
     assert removal_settings(VARIANTS["lora_mlp_span"], orders, 3, 2, 1, counts)["max_removed_blocks"] == 2
     with pytest.raises(SystemExit, match="lora_mlp_span_t30.*0.3"):  # refused before any training
         removal_settings(t30, orders, 2, 2, 1, {0.1: 1, 0.2: 2})
+    # With `own_span` its blocks are the cheapest span of its own length, not the speed target's span continued.
+    own = dataclasses.replace(t30, own_span=True)
+    with pytest.raises(KeyError):  # a run that searched no span of 3 cannot say what it removes
+        removal_settings(own, orders, 3, 2, 1, counts)
+    assert removal_settings(own, {**orders, own_span_key(3): [5, 4, 6]}, 3, 2, 1, counts)["removal_order"] == [5, 4, 6]
     measured = []
     monkeypatch.setattr(bench.sweep, "measure_adapter",
                         lambda bench_, name, policy, adapter_dir, targets, speed_target, *a, **k:
@@ -753,17 +763,17 @@ def test_span_order_starts_with_the_cheapest_span_and_is_cached_under_its_settin
     identity.detach()
     assert order[:2] == [b for b in removal_order if b in span] and len(set(order)) == 3
     assert "removal spans of 2" in logged[0]
-    saved = json.loads((tmp_path / "span_removal_order.json").read_text())
+    saved = json.loads((tmp_path / "span_removal_order-2.json").read_text())
     assert saved["order"] == order and saved["span_blocks"] == 2
     saved["order"] = [4, 3, 2]  # the cache answers while its settings match, and only then
-    (tmp_path / "span_removal_order.json").write_text(json.dumps(saved))
+    (tmp_path / "span_removal_order-2.json").write_text(json.dumps(saved))
     assert span_removal_order(bench.model, calibration, removal_order, 2, 3, tmp_path, logged.append) == [4, 3, 2]
     assert span_removal_order(bench.model, calibration, removal_order, 3, 3, tmp_path, logged.append) != [4, 3, 2]
     # Other calibration batches, or other weights (e.g. a rebuilt model), search again.
-    (tmp_path / "span_removal_order.json").write_text(json.dumps(saved))
+    (tmp_path / "span_removal_order-2.json").write_text(json.dumps(saved))
     other = [dict(batch, attention_mask=batch["attention_mask"].flip(-1)) for batch in calibration]
     assert span_removal_order(bench.model, other, removal_order, 2, 3, tmp_path, logged.append) != [4, 3, 2]
-    (tmp_path / "span_removal_order.json").write_text(json.dumps(saved))
+    (tmp_path / "span_removal_order-2.json").write_text(json.dumps(saved))
     with torch.no_grad():
         next(bench.model.parameters()).add_(1e-3)
     assert span_removal_order(bench.model, calibration, removal_order, 2, 3, tmp_path, logged.append) != [4, 3, 2]
@@ -772,10 +782,10 @@ def test_span_order_starts_with_the_cheapest_span_and_is_cached_under_its_settin
 
     key = search_key(bench.model, calibration)
     span_removal_order(bench.model, calibration, removal_order, 2, 3, tmp_path, logged.append, key=key)
-    saved = json.loads((tmp_path / "span_removal_order.json").read_text())
+    saved = json.loads((tmp_path / "span_removal_order-2.json").read_text())
     assert saved["key"] == key
     saved["order"] = [4, 3, 2]
-    (tmp_path / "span_removal_order.json").write_text(json.dumps(saved))
+    (tmp_path / "span_removal_order-2.json").write_text(json.dumps(saved))
     assert span_removal_order(bench.model, calibration, removal_order, 2, 3, tmp_path, logged.append, key=key) == [4, 3, 2]
     assert span_removal_order(bench.model, calibration, removal_order, 2, 3, tmp_path, logged.append,
                               key={**key, "model": "another"}) != [4, 3, 2]
