@@ -284,8 +284,9 @@ def span_removal_order(model, calibration: list[dict[str, Any]], removal_order: 
                        key: dict[str, str] | None = None) -> list[int]:
     """The run of `span_blocks` adjacent blocks whose removal costs the least KL on the val calibration batches
     (ordered by single-block impact), then greedy joint removal continued from it among the `candidates` cheapest
-    blocks up to `num_blocks`; cached on disk (under `key`, as `rank_blocks`; one file per span length). Greedy joint removal adds one block at a time and can miss sets
-    whose members are costly alone but cheap together; a span is scored whole."""
+    blocks up to `num_blocks`; cached on disk (under `key`, as `rank_blocks`; one file per span length). Greedy
+    joint removal adds one block at a time and can miss sets whose members are costly alone but cheap together; a
+    span is scored whole."""
     from vlm_retrofit import RouterConfig, attach_routers
     from vlm_retrofit.skipping import best_removal_span, greedy_removal_order
 
