@@ -72,9 +72,9 @@ class Variant:
     speed target's, and measure the variant at this target only (its decode speed too): one adapter per operating
     point. The target must be one of the run's `--targets`."""
     own_span: bool = False
-    """With `span_order` and `removal_target`: remove the cheapest run of adjacent blocks as long as that target's
-    removal, instead of the speed target's span continued greedily (one span for a layer replacement to stand in
-    for, where the other may leave several)."""
+    """With `removal_target`: remove the cheapest run of adjacent blocks as long as that target's removal, instead
+    of the speed target's span continued greedily (`span_order`): one span for a layer replacement to stand in for,
+    where the other may leave several."""
     steps: int | None = None
     """The learning rate decays to a tenth (cosine; `min_lr_ratio`): over the wall-clock budget by default
     (`BudgetDecay`), over this many steps with `--decay-over steps` (the time budget as a cap); None = as many steps
@@ -248,7 +248,7 @@ def removal_settings(variant: Variant, orders: dict[str, list[int]], max_removed
         fewest = most = target_blocks[variant.removal_target]
         # Measured at its own target only: the blocks it removes are all of the order it needs (an adapter healed
         # by hand for those blocks, `bench.heal --removal`, is the same adapter).
-        order = (orders[own_span_key(most)] if variant.span_order and variant.own_span else order)[:most]
+        order = (orders[own_span_key(most)] if variant.own_span else order)[:most]
     elif variant.fixed_removal:
         fewest = most = speed_removed_blocks
     else:
@@ -651,7 +651,7 @@ def main(argv: list[str] | None = None) -> int:
     orders = {"impact": removal_order, "joint": joint_order, "span": span_order}
     target_blocks = {target: removed_blocks(target) for target in args.targets}
     for blocks in sorted({target_blocks[v.removal_target] for v in variants
-                          if v.own_span and v.span_order and v.removal_target in target_blocks}):
+                          if v.own_span and v.removal_target in target_blocks}):
         orders[own_span_key(blocks)] = span_removal_order(model, data.calibration, removal_order, blocks, blocks, runs,
                                                           log, key=key)
     removals = {v.name: removal_settings(v, orders, max_removed_blocks, speed_removed_blocks, min_target_blocks,

@@ -54,11 +54,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from .evaluate import speed_ratio, timed_generate
     from .run import machine
-    from .sweep import calibrated_per_workload, candidates_at, cheapest_blocks, load_trained, rank_blocks
+    from .sweep import calibrated_per_workload, candidates_at, cheapest_blocks, load_as_shipped, rank_blocks
 
     model, data = bench.model, bench.data
     order = rank_blocks(model, data.calibration, Path(args.runs), log)
-    target_model, adapter = load_trained(adapter_dir, model, load_model)  # as the benchmark measures it
+    target_model, adapter = load_as_shipped(adapter_dir, model, load_model)  # as the benchmark measures it
     ranked = cheapest_blocks(adapter, data, order)
     records: list[dict[str, Any]] = []
     for target in args.targets:

@@ -333,7 +333,7 @@ def sweep(bench: Bench, targets: list[float], variants: list, speed_target: floa
     return records, overhead
 
 
-def load_trained(adapter_dir: Path, model, load_model: Callable[[], Any]) -> tuple[Any, Any]:
+def load_as_shipped(adapter_dir: Path, model, load_model: Callable[[], Any]) -> tuple[Any, Any]:
     """A trained adapter folder on `model`, as shipped: a LoRA in its `lora/` merged into a copy of the base
     (`load_model()`, as `merge --merge-lora` does), the routers attached to that copy with `model` as the reference
     (a merged LoRA may train norms). (the model the adapter runs on, the `RouterAdapter`)"""
@@ -358,7 +358,7 @@ def measure_adapter(bench: Bench, name: str, policy: str, adapter_dir: Path, tar
     from vlm_retrofit.replacement import load_replacements
 
     model, data, records = bench.model, bench.data, []
-    target_model, adapter = load_trained(adapter_dir, model, load_model)
+    target_model, adapter = load_as_shipped(adapter_dir, model, load_model)
     bench.model = target_model
     replacement = load_replacements(adapter_dir)  # applied only where its layers are the ones removed
     bench.base_method = adapter.disabled  # merged LoRA stays in it: speed ratios compare skipping alone
