@@ -7,6 +7,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
+from vlm_retrofit import RouterAdapter
 from vlm_retrofit.skipping import PatternPolicy, SkipController
 from vlm_retrofit.testing import FAMILIES, tiny_inputs, tiny_vlm
 from vlm_retrofit.training import FixedBatchDataModule, RetrofitModule, compute_penalty, distillation_kl, drop_rate_at
@@ -299,6 +300,29 @@ def test_gate_gradient_pulls_expected_compute_toward_target():
     out.loss.backward()
     for gate in module.adapter.gates.values():
         assert gate.bias.grad > 0  # lowering the run probability lowers the penalty
+
+
+def test_compute_counted_on_response_counts_the_answer_tokens_only(tmp_path, monkeypatch):
+    batch = _batch("qwen2_vl")
+    assert batch["loss_mask"].any() and (batch["attention_mask"].bool() & ~batch["loss_mask"].bool()).any()
+    counted = {}
+    for where in ("text", "response"):
+        module = RetrofitModule(backbone="tiny:qwen2_vl", router={"skip_gate": True}, compute_target=0.5,
+                                max_drop_rate=0.0, compute_counted_on=where)
+
+        def capture(drop_rate, seed, removed, positions, simulation=module.simulation, where=where):
+            counted[where] = positions
+            return simulation(drop_rate, seed, removed, positions)
+        monkeypatch.setattr(module, "simulation", capture)
+        module.compute_loss(batch, drop_rate=0.0, seed=0)
+        assert module.adapter.compute_counted_on == where
+    assert torch.equal(counted["response"], batch["loss_mask"].bool())  # what a decode step runs
+    assert counted["text"].sum() > counted["response"].sum()  # the prompt's text positions too
+    module.save_adapter(tmp_path / "adapter")
+    module.adapter.detach()
+    assert RouterAdapter.from_pretrained(module.model, tmp_path / "adapter").compute_counted_on == "response"
+    with pytest.raises(ValueError, match="compute_counted_on must be 'text' or 'response'"):
+        RetrofitModule(backbone="tiny:qwen2_vl", compute_counted_on="answer")
 
 
 # --------------------------------------------------------------------------- training loop

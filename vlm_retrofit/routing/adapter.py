@@ -103,6 +103,10 @@ class RouterAdapter(nn.Module):
         self.skip_image_positions = True
         """False when per-token skipping was trained with visual placeholders running every block
         (`RetrofitModule(skip_image_positions=False)`); calibration of a per-token policy then keeps them too."""
+        self.compute_counted_on = "text"
+        """Where per-token skipping's compute target was counted in training (`RetrofitModule(compute_counted_on=...)`):
+        "text" (every real text position, prompts too) or "response" (the answer tokens: what a decode runs);
+        calibration of a per-token policy counts its target there too by default."""
         self.base_model: dict[str, Any] = {"name": getattr(unwrap_model(model), "name_or_path", None) or None}
         """How to load the base again: keyword arguments of `vlm_retrofit.backbones.loading.load_backbone`."""
 
@@ -370,10 +374,12 @@ class RouterAdapter(nn.Module):
 
     def training_record(self) -> dict[str, Any]:
         """What training decided about skipping (saved with the adapter and in checkpoints): the removal order and
-        the removal counts trained, the per-token skip candidates, whether image positions may skip."""
+        the removal counts trained, the per-token skip candidates, whether image positions may skip, where the
+        compute target was counted."""
         return {"removal_order": self.removal_order,
                 "removal_range": None if self.removal_range is None else list(self.removal_range),
-                "skip_candidates": self.skip_candidates, "skip_image_positions": self.skip_image_positions}
+                "skip_candidates": self.skip_candidates, "skip_image_positions": self.skip_image_positions,
+                "compute_counted_on": self.compute_counted_on}
 
     def restore_training_record(self, saved: Mapping[str, Any]) -> None:
         """Set what `training_record` wrote (older files lack some keys: those mean untrained for them)."""
@@ -382,6 +388,7 @@ class RouterAdapter(nn.Module):
         self.removal_range = None if removal_range is None else (int(removal_range[0]), int(removal_range[1]))
         self.skip_candidates = saved.get("skip_candidates")
         self.skip_image_positions = bool(saved.get("skip_image_positions", True))
+        self.compute_counted_on = str(saved.get("compute_counted_on", "text"))
 
     def save_pretrained(self, directory: str | os.PathLike, *, companions: list[str] | None = None) -> Path:
         """Write `adapter_config.json` + `adapter_model.safetensors` (each replaced atomically). `companions` (files

@@ -118,6 +118,7 @@ class RetrofitModule(pl.LightningModule):
         compute_target: float | None = None,
         compute_weight: float = 10.0,
         compute_penalty: Literal["hinge", "squared"] = "squared",
+        compute_counted_on: Literal["text", "response"] = "text",
         optimizer: str = "AdamW",
         lr: float = 1e-2,
         query_lr_scale: float = 1.0,
@@ -228,6 +229,12 @@ class RetrofitModule(pl.LightningModule):
             compute_weight: weight of the compute penalty.
             compute_penalty: `squared` = weight * (expected - target)^2 (holds compute at the target);
                 `hinge` = weight * relu(expected - target) (only penalises running more than the target).
+            compute_counted_on: the positions whose compute `compute_target` counts: `text` = every real,
+                non-image position, prompts too; `response` = the datamodule's `loss_mask` (the answer tokens,
+                what a decode step runs). Counted on text, a caption batch's chat template and prompt hold most of
+                the positions, and gates meet the target by skipping there: on the benchmark's VLM, gates
+                calibrated to 20 % of the text positions skipped 4 % of the answer positions' layer executions.
+                Saved with the adapter; `calibrate` counts there too by default.
             optimizer: `torch.optim` class name (or dotted path) used on the trainable parameters only.
             lr: peak learning rate.
             query_lr_scale: learning-rate multiplier of the router and gate pseudo-queries. An Adam step moves
@@ -323,6 +330,8 @@ class RetrofitModule(pl.LightningModule):
             raise InputError(f"skip_candidates must be a count >= 1 or a list of blocks, got {skip_candidates!r}")
         if max_nonfinite_steps < 1:
             raise InputError(f"max_nonfinite_steps must be >= 1, got {max_nonfinite_steps}")
+        if compute_counted_on not in ("text", "response"):
+            raise InputError(f"compute_counted_on must be 'text' or 'response', got {compute_counted_on!r}")
         if compute_target is not None and not 0 < compute_target <= 1:
             raise InputError(f"compute_target is the fraction of decoder-block compute to execute, in (0, 1]; got "
                              f"{compute_target}")
@@ -402,6 +411,7 @@ class RetrofitModule(pl.LightningModule):
         if skip_candidates is not None and not isinstance(skip_candidates, int):
             self._set_skip_candidates(skip_candidates)  # a list is checked now, before any work
         self.adapter.skip_image_positions = bool(skip_image_positions)
+        self.adapter.compute_counted_on = compute_counted_on
         if max_removed_blocks > len(layout.skippable_blocks):  # a ranked order is only known at the first batch
             raise InputError(f"max_removed_blocks={max_removed_blocks}: only {len(layout.skippable_blocks)} blocks may "
                              f"be removed ({list(layout.skippable_blocks)}; the others never skip)")
@@ -746,9 +756,11 @@ class RetrofitModule(pl.LightningModule):
                 if not self._prefix_verified:
                     student = self._removal_forward(inputs, rows, removed_layers)
         else:
-            # The compute a decode saves is on text tokens: padding and image placeholders do not count.
-            sim = self.simulation(drop_rate, seed, removed,
-                                  scored_positions(self.adapter, inputs, inputs["input_ids"].shape))
+            # The compute a decode saves is on text tokens (with `compute_counted_on: response`, the answer tokens
+            # only): padding and image placeholders do not count.
+            counted = (batch["loss_mask"].bool() if self.hparams.compute_counted_on == "response"
+                       else scored_positions(self.adapter, inputs, inputs["input_ids"].shape))
+            sim = self.simulation(drop_rate, seed, removed, counted)
             with sim if sim is not None else contextlib.nullcontext():
                 student = self._forward(inputs, rows)
         kl = distillation_kl(student.logits, teacher.logits, None if rows is not None else mask,
