@@ -2,7 +2,7 @@
 
 `make bench` (`python -m bench.run`) ranks blocks and searches removal orders before it trains, then measures every
 baseline after: minutes that a longer or larger healing run on a borrowed GPU cannot spare. This trains one static
-variant (`bench.run.VARIANTS`) exactly as the bench does (`train_variant`: the wall-clock budget, its decay, the
+variant (`bench.variants.VARIANTS`) exactly as the bench does (`train_variant`: the wall-clock budget, its decay, the
 mixed training stream), on a removal order given by hand (e.g. the span the bench's search picked). Measure the
 adapter after with `python -m bench.measure RUNS/VARIANT/adapter` (the pruned release for a LoRA-healed one).
 """
@@ -19,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-from .run import RUNS, VARIANTS, selected_variants
+from .run import RUNS
+from .variants import VARIANTS, selected_variants
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -86,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     from . import efficientnet_tower  # noqa: F401  registers the vision tower's config before any loading
     from .data import write_bench_shards
     from .real_vlm import build_real_vlm
-    from .run import train_variant, training_precision, training_shards
+    from .training import train_variant, training_precision, training_shards
 
     manifest = write_bench_shards()
     backbone = str(build_real_vlm())

@@ -269,17 +269,17 @@ def test_heal_refuses_a_schedule_variant_and_a_trained_folder_before_loading_any
 
 
 def test_heal_trains_the_variant_with_its_overrides_and_records_them(tmp_path, monkeypatch):
-    from bench import data, heal, real_vlm, run
+    from bench import data, heal, real_vlm, training, variants
 
     monkeypatch.setattr(data, "write_bench_shards", lambda: {})
     monkeypatch.setattr(real_vlm, "build_real_vlm", lambda: "vlm")
-    monkeypatch.setattr(run, "training_shards", lambda manifest: {})
+    monkeypatch.setattr(training, "training_shards", lambda manifest: {})
     calls = []
-    monkeypatch.setattr(run, "train_variant", lambda variant, *a, **k: calls.append((variant, k)) or {"steps": 1})
+    monkeypatch.setattr(training, "train_variant", lambda variant, *a, **k: calls.append((variant, k)) or {"steps": 1})
     assert heal.main(["lora_mlp_span_layer", "--removal", "14", "13", "--set", "replacement_epochs=16",
                       "--seed", "3", "--runs", str(tmp_path)]) == 0
     variant, settings = calls[0]
-    assert variant.module == {**run.LAYER_HEALING, "replacement_epochs": 16}  # the rest of the recipe as it was
+    assert variant.module == {**variants.LAYER_HEALING, "replacement_epochs": 16}  # the rest of the recipe as it was
     assert settings["recorded"] == {"overrides": {"replacement_epochs": 16}} and settings["seed"] == 3
     assert settings["removal"] == {"removal_order": [14, 13], "max_removed_blocks": 2, "min_removed_blocks": 2}
     assert heal.main(["lora_mlp_span", "--removal", "13", "--runs", str(tmp_path)]) == 0

@@ -14,7 +14,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # bench/ is a folder at the repository root, not an installed package
 
 from bench.report import KEPT_MARKER, agreement_comparison, paired_bootstrap, write_report  # noqa: E402
-from bench.run import BASELINES_OUT, ROOT, VARIANTS, build_parser, report_dir, selected_variants  # noqa: E402
+from bench.run import BASELINES_OUT, ROOT, build_parser, report_dir  # noqa: E402
+from bench.variants import VARIANTS, selected_variants  # noqa: E402
 from bench.evaluate import nullmethod, perplexity, routing_share, timed_routing  # noqa: E402
 from bench.sweep import (BASELINE_CACHE_ENTRIES, Bench, EvalSet, cached_baselines, measure_baselines,  # noqa: E402
                          measure_pruned, store_baselines)
@@ -355,7 +356,8 @@ def test_every_variant_builds_the_module_it_trains(name):
     """A variant's recipe (router, LoRA targets, skip candidates, replacement settings, its removal) is accepted by
     `RetrofitModule` as `train_variant` passes it: a bad field or a LoRA that matches no layer would otherwise
     surface only after a bench run's minutes of searches."""
-    from bench.run import own_span_key, removal_settings, training_arguments
+    from bench.training import training_arguments
+    from bench.variants import own_span_key, removal_settings
     from vlm_retrofit.training import RetrofitModule
 
     variant = VARIANTS[name]
@@ -377,7 +379,7 @@ def test_every_variant_builds_the_module_it_trains(name):
 def test_budget_decay_runs_the_schedule_over_the_wall_clock():
     from types import SimpleNamespace
 
-    from bench.run import BudgetDecay
+    from bench.training import BudgetDecay
 
     now = [0.0]
     decay = BudgetDecay(100.0, clock=lambda: now[0])
@@ -401,7 +403,7 @@ def test_budget_decay_runs_the_schedule_over_the_wall_clock():
 def test_budget_decay_spends_the_fits_preparation_from_the_budget_and_ends_the_run():
     from types import SimpleNamespace
 
-    from bench.run import BudgetDecay
+    from bench.training import BudgetDecay
 
     now = [0.0]
     decay = BudgetDecay(100.0, clock=lambda: now[0])
@@ -424,7 +426,7 @@ def test_budget_decay_spends_the_fits_preparation_from_the_budget_and_ends_the_r
 def test_budget_decay_ends_a_training_run_at_the_floor():
     import lightning.pytorch as pl
 
-    from bench.run import BudgetDecay
+    from bench.training import BudgetDecay
     from vlm_retrofit.training import FixedBatchDataModule, RetrofitModule
 
     module = RetrofitModule(backbone="tiny:llama", lr=1e-2, warmup_steps=1, max_drop_rate=0.5)
@@ -438,7 +440,7 @@ def test_budget_decay_ends_a_training_run_at_the_floor():
 
 
 def test_training_arguments_scale_the_learning_rate_and_keep_the_recipe():
-    from bench.run import training_arguments
+    from bench.training import training_arguments
 
     removal = {"removal_order": [2, 3, 1], "max_removed_blocks": 2, "min_removed_blocks": 2}
     plain = training_arguments(VARIANTS["lora_mlp_span"], removal)
@@ -455,18 +457,19 @@ def test_training_arguments_scale_the_learning_rate_and_keep_the_recipe():
 
 
 def test_training_precision_follows_the_device_and_the_options(monkeypatch):
-    import bench.run as run
+    import bench.training as training
 
-    monkeypatch.setattr(run, "fast_bf16", lambda device: device == "cuda")
-    assert run.training_precision("cpu") == ("32-true", None)  # no fast bf16 kernels: fp32 steps, fp32 weights
-    assert run.training_precision("cuda") == ("bf16-mixed", "bfloat16")
-    assert run.training_precision("cpu", "bf16-mixed") == ("bf16-mixed", "bfloat16")
-    assert run.training_precision("cuda", "32-true", None, "bfloat16") == ("32-true", "bfloat16")
-    assert run.training_precision("cuda", None, "float32") == ("bf16-mixed", None)
+    monkeypatch.setattr(training, "fast_bf16", lambda device: device == "cuda")
+    assert training.training_precision("cpu") == ("32-true", None)  # no fast bf16 kernels: fp32 steps, fp32 weights
+    assert training.training_precision("cuda") == ("bf16-mixed", "bfloat16")
+    assert training.training_precision("cpu", "bf16-mixed") == ("bf16-mixed", "bfloat16")
+    assert training.training_precision("cuda", "32-true", None, "bfloat16") == ("32-true", "bfloat16")
+    assert training.training_precision("cuda", None, "float32") == ("bf16-mixed", None)
 
 
 def test_adapters_trained_otherwise_are_found_before_any_work(tmp_path):
-    from bench.run import recipe_digest, removal_settings, stale_runs, training_key
+    from bench.training import recipe_digest, stale_runs, training_key
+    from bench.variants import removal_settings
 
     variants = selected_variants(["lora_mlp_joint_plain", "lora_mlp_span", "routed_static", "gate"])
     orders = {"impact": [1, 2, 3], "joint": [3, 1, 2], "span": [2, 3, 1]}
@@ -522,7 +525,8 @@ def test_adapters_trained_otherwise_are_found_before_any_work(tmp_path):
 
 
 def test_an_adapter_healed_by_hand_is_reused_only_as_the_variant_trains_it(tmp_path):
-    from bench.run import recipe_digest, removal_settings, stale_runs, training_key
+    from bench.training import recipe_digest, stale_runs, training_key
+    from bench.variants import removal_settings
 
     variants = selected_variants(["lora_mlp_span_layer"])
     orders = {"impact": [4, 2, 3, 1], "joint": [3, 1, 2, 4], "span": [3, 2, 1, 4]}
@@ -612,7 +616,7 @@ def test_train_only_trains_every_variant_for_its_own_removal_and_measures_nothin
 
 def test_one_adapter_per_operating_point_trains_and_is_measured_at_its_own_target(monkeypatch):
     import bench.sweep
-    from bench.run import own_span_key, removal_settings
+    from bench.variants import own_span_key, removal_settings
 
     orders = {"impact": [1, 2, 3], "joint": [3, 1, 2], "span": [2, 3, 1]}
     counts = {0.1: 1, 0.2: 2, 0.3: 3}
