@@ -418,6 +418,46 @@ def test_calibration_can_keep_image_positions_from_skipping(policy):
         calibrate(adapter, batches, 0.25, "static", store=False, skip_image_positions=False)
 
 
+@pytest.mark.parametrize("policy", ["recent_weight", "gate"])
+def test_calibration_can_count_the_answer_tokens_only(policy):
+    # What a decode step runs is the answer: counted on every text position, a prompt can take the skipping.
+    from vlm_retrofit.skipping import POLICIES
+
+    model, processor, adapter, batches = _routed_with_gates()
+    answers = []
+    for batch in batches:
+        mask = batch["attention_mask"].bool().clone()
+        mask[:, : mask.shape[1] // 2] = False  # the last half of each row is its answer
+        answers.append({**batch, "loss_mask": mask})
+    result = calibrate(adapter, answers, 0.25, policy, store=False, tolerance=0.03, skip_image_positions=False,
+                       counted_on="response")
+    assert result.counted_on == "answer positions" and abs(result.achieved_saving - 0.25) <= 0.03, result.summary()
+    skipped = {}
+
+    class Recorded(POLICIES[policy]):
+        def skip_mask(self, block, state, adapter):
+            skip = super().skip_mask(block, state, adapter)
+            skipped[block] = skipped.get(block, 0) + int((skip & answer).sum())
+            return skip
+
+    with torch.no_grad(), adapter.skipping(Recorded(**result.settings)):
+        for answer, batch in ((b["loss_mask"], b) for b in answers):
+            model(**{k: v for k, v in batch.items() if k != "loss_mask"})
+    tokens = sum(int(b["loss_mask"].sum()) for b in answers)
+    assert sum(skipped.values()) / (tokens * adapter.layout.num_layers) == pytest.approx(result.achieved_saving)
+    text = calibrate(adapter, batches, 0.25, policy, store=False, tolerance=0.03, skip_image_positions=False)
+    assert text.settings != result.settings
+    # An adapter trained with its compute counted on the answer tokens is calibrated there by default.
+    adapter.compute_counted_on = "response"
+    assert calibrate(adapter, answers, 0.25, policy, store=False, tolerance=0.03,
+                     skip_image_positions=False).settings == result.settings
+    with pytest.raises(ValueError, match="needs a `loss_mask`"):
+        calibrate(adapter, batches, 0.25, policy, store=False)
+    with pytest.raises(ValueError, match="counted_on='text' with skip_image_positions=True"):
+        calibrate(adapter, batches, 0.25, policy, store=False, counted_on="text", skip_image_positions=True)
+    adapter.compute_counted_on = "text"
+
+
 def test_random_skipping_decides_every_occurrence_of_a_token_on_its_own():
     # The hash takes the position as well as the token: a text repeating one token still skips at the rate,
     # not all or nothing per block, and with another seed it skips elsewhere.

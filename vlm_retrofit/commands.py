@@ -73,6 +73,12 @@ def calibrate_main(argv: list[str] | None = None) -> int:
                         help="per-token policies: whether visual-placeholder positions may skip blocks; with "
                              "--no-skip-image-positions they run every block and the target counts text positions "
                              "only (what decoding skips); default: as the adapter was trained")
+    parser.add_argument("--counted-on", default=None, choices=["real", "text", "response"],
+                        help="per-token policies: the positions the target counts: response = the answer tokens "
+                             "(what decode steps run; a prompt's positions may otherwise take most of the skipping); "
+                             "real / text = every real / text position (as --skip-image-positions says); default: "
+                             "response for an adapter whose compute target was counted there in training, else "
+                             "real or text")
     parser.add_argument("--batches", type=int, default=4, help="calibration batches")
     parser.add_argument("--batch-size", type=int, default=4, help="samples per calibration batch")
     parser.add_argument("--max-new-tokens", type=int, default=16, help="tokens generated to measure agreement")
@@ -92,7 +98,7 @@ def calibrate_main(argv: list[str] | None = None) -> int:
         print(f"calibrate refused: {'; '.join(problems)}", file=sys.stderr)
         return 1
     from .callbacks import compare_generation, generation_pad_id, prompts_from_batch
-    from .datamodules import DataQualityError, ShardError, WebDatasetDataModule, model_inputs
+    from .datamodules import DataQualityError, ShardError, WebDatasetDataModule
 
     source = Path(ns.model)
     if is_pruned_release(source):
@@ -133,8 +139,8 @@ def calibrate_main(argv: list[str] | None = None) -> int:
     prompts = [prompts_from_batch(batch, generation_pad_id(tokenizer)) for batch in batches]
     adapter = loaded.adapter
     for target in ns.target_saving:
-        result = calibrate(adapter, [model_inputs(b) for b in batches], target, ns.policy, candidates=ns.candidates,
-                           skip_image_positions=ns.skip_image_positions)
+        result = calibrate(adapter, batches, target, ns.policy, candidates=ns.candidates,
+                           skip_image_positions=ns.skip_image_positions, counted_on=ns.counted_on)
         metrics, report = compare_generation(loaded.model, adapter, prompts, ns.policy, result.settings, tokenizer,
                                              max_new_tokens=ns.max_new_tokens)
         adapter.calibration_metrics.setdefault(ns.policy, {})[f"{target:.4f}"] = {

@@ -29,8 +29,8 @@ class CalibrationResult:
     skip_rates: list[float] = field(default_factory=list)
     """Per block, the fraction of the counted positions (`counted_on`) that skipped it on the calibration data."""
     counted_on: str = "real positions"
-    """Where the saving is counted: "real positions" (no padding) or "text positions" (image placeholders kept from
-    skipping are left out too)."""
+    """Where the saving is counted: "real positions" (no padding), "text positions" (image placeholders kept from
+    skipping are left out too) or "answer positions" (the batches' `loss_mask`: what decode steps run)."""
 
     def summary(self) -> str:
         return (f"{self.policy}: target {100 * self.target_saving:.1f} % of layer executions skipped, "
@@ -46,28 +46,76 @@ def _score_fn(policy: str) -> Callable[[int, Any, RouterAdapter], Tensor]:
 
 
 class _ScoreRecorder(SkipPolicy):
-    """Records each skippable block's skip score per token (split by modality) and skips nothing."""
+    """Records each skippable block's skip score per token (split by modality) and skips nothing. With `positions`
+    set (bool [B, T], per batch) the text scores are recorded there only."""
 
     def __init__(self, score: Callable[[int, Any, RouterAdapter], Tensor]) -> None:
         self.score = score
         self.values: dict[str, dict[int, list[Tensor]]] = {"text": defaultdict(list), "image": defaultdict(list)}
+        self.positions: Tensor | None = None
 
     def skip_mask(self, block: int, state: Any, adapter: Any) -> None:
         score = self.score(block, state, adapter).detach().float()
         real = state.token_is_real if state.token_is_real is not None else torch.ones_like(score, dtype=torch.bool)
         image = state.token_is_image if state.token_is_image is not None else torch.zeros_like(real)
         # Padding positions are not calibrated on: their routing says nothing about real tokens.
-        self.values["text"][block].append(score[real & ~image].cpu())
+        text = real & ~image if self.positions is None else real & ~image & self.positions.to(real.device)
+        self.values["text"][block].append(score[text].cpu())
         if state.token_is_image is not None:
             self.values["image"][block].append(score[real & image].cpu())
         return None
 
 
+class _CountedSkips(SkipPolicy):
+    """`policy` unchanged, counting its skips at chosen positions (`positions`, bool [B, T], set per batch): the
+    answer tokens `counted_on="response"` calibrates on, which the runtime's report (real and text positions) does
+    not single out."""
+
+    def __init__(self, policy: SkipPolicy, layout: Any) -> None:
+        self.policy, self.layout = policy, layout
+        self.name, self.reads_gates = policy.name, policy.reads_gates
+        self.skip_image_positions = policy.skip_image_positions
+        self.positions: Tensor | None = None
+        self.tokens = 0
+        self.skipped: dict[int, int] = defaultdict(int)
+
+    def validate(self, layout: Any, adapter: Any) -> None:
+        self.policy.validate(layout, adapter)
+
+    def may_skip(self, layout: Any) -> tuple[int, ...]:
+        return self.policy.may_skip(layout)
+
+    def removed_blocks(self) -> frozenset[int]:
+        return self.policy.removed_blocks()
+
+    def skip_mask(self, block: int, state: Any, adapter: Any) -> Tensor | None:
+        skip = self.policy.skip_mask(block, state, adapter)
+        if skip is not None:  # counted positions are answer tokens: never image positions, never padding
+            self.skipped[block] += int((skip & self.positions.to(skip.device)).sum())
+        return skip
+
+    @property
+    def skip_rates(self) -> list[float]:
+        return [self.skipped.get(b, 0) / max(1, self.tokens) for b in range(self.layout.num_blocks)]
+
+    @property
+    def skipped_layer_fraction(self) -> float:
+        layers = sum(count * len(self.layout.layers_of_block(b)) for b, count in self.skipped.items())
+        return layers / max(1, self.tokens * self.layout.num_layers)
+
+
 @torch.no_grad()
-def _run(adapter: RouterAdapter, batches: list[dict[str, Any]], policy: SkipPolicy | None) -> SkipController:
+def _run(adapter: RouterAdapter, batches: list[dict[str, Any]], policy: SkipPolicy | None,
+         positions: list[Tensor] | None = None) -> SkipController:
+    """`batches` through the model under `policy`; with `positions` (one bool [B, T] per batch) a policy that
+    records or counts at chosen positions is told each batch's."""
     controller = SkipController(adapter, policy)
     with controller:
-        for batch in batches:
+        for i, batch in enumerate(batches):
+            if positions is not None:
+                policy.positions = positions[i]
+                if isinstance(policy, _CountedSkips):
+                    policy.tokens += int(positions[i].sum())
             adapter.model(**batch)
     return controller
 
@@ -253,8 +301,8 @@ def untrained_removal(adapter: RouterAdapter, blocks: Iterable[int]) -> str | No
 def calibrate(adapter: RouterAdapter, batches: Iterable[Mapping[str, Any]], target_saving: float,
               policy: str = "recent_weight", *, per_modality: bool = True, tolerance: float = 0.01,
               max_iterations: int = 16, store: bool = True, order: list[int] | None = None,
-              candidates: int | Sequence[int] | None = None, skip_image_positions: bool | None = None
-              ) -> CalibrationResult:
+              candidates: int | Sequence[int] | None = None, skip_image_positions: bool | None = None,
+              counted_on: str | None = None) -> CalibrationResult:
     """Find settings of `policy` that skip `target_saving` of all decoder-layer executions on `batches`.
 
     The saving is the token-level fraction of layer executions skipped (what a batch-1 decode saves, before
@@ -275,15 +323,27 @@ def calibrate(adapter: RouterAdapter, batches: Iterable[Mapping[str, Any]], targ
     saves a block only where every prompt token skips it, so skipping image positions saves almost nothing, yet
     every caption token reads their keys and values. None takes the adapter's training setting
     (`skip_image_positions`, True unless trained with image positions kept).
+    `counted_on` (per-token policies): where the target is counted. "real": every real position; "text": real
+    text positions (image placeholders left out); "response": the answer tokens (the batches' `loss_mask`, which
+    datamodule batches carry): what decode steps run. A caption batch's chat template and prompt hold most of its
+    text positions and gates skip them readily: calibrated on text, the benchmark's gates skipped 20 % of the text
+    positions' layer executions and 4 % of the answer tokens'. None: "response" where the adapter's compute target
+    was counted there in training (`compute_counted_on`), else "real" or "text" as `skip_image_positions` says.
     With `store`, the result is kept in `adapter.calibration` (saved with the adapter) and
     `adapter.skipping(policy, target_saving=...)` uses it.
     """
     if policy not in POLICIES:
         raise InputError(f"unknown skip policy {policy!r}; valid policies: {', '.join(POLICIES)}")
     layout = adapter.layout
-    batches = [model_inputs(b) for b in batches]
+    batches = list(batches)
     if not batches:
         raise InputError("calibration needs at least one batch")
+    if counted_on is None:
+        counted_on = "response" if policy != "static" and adapter.compute_counted_on == "response" else None
+    if counted_on not in (None, "real", "text", "response"):
+        raise InputError(f"counted_on must be 'real', 'text' or 'response', got {counted_on!r}")
+    answers = _answer_positions(batches) if counted_on == "response" and policy != "static" else None
+    batches = [model_inputs(b) for b in batches]
     pool = layout.skippable_blocks
     if candidates is None and policy != "static":
         candidates = adapter.skip_candidates  # the blocks its per-token skipping was trained on, if restricted
@@ -293,16 +353,25 @@ def calibrate(adapter: RouterAdapter, batches: Iterable[Mapping[str, Any]], targ
         pool = candidate_blocks(adapter, batches, candidates, order)
     if skip_image_positions is None:
         skip_image_positions = adapter.skip_image_positions or policy == "static"
+    if counted_on in ("real", "text") and policy != "static" and skip_image_positions != (counted_on == "real"):
+        raise InputError(f"counted_on={counted_on!r} with skip_image_positions={skip_image_positions}: image positions "
+                         "are counted exactly where they may skip ('real' with skip_image_positions=True, 'text' "
+                         "without); or count the answer tokens, counted_on='response'")
     if policy == "static" and not skip_image_positions:
         raise InputError("skip_image_positions=False applies to per-token policies; a static removal skips whole "
                          "blocks for every position")
     protect = {} if skip_image_positions else {"skip_image_positions": False}
 
-    def realised(report) -> float:
-        return report.skipped_layer_fraction if skip_image_positions else report.skipped_text_layer_fraction
-
-    def rates(report) -> list[float]:  # counted where `realised` counts
-        return report.skip_rates if skip_image_positions else report.text_skip_rates
+    def skipped(settings: dict[str, Any]) -> tuple[float, list[float]]:
+        """(the fraction of the counted layer executions skipped, each block's skip rate) under `settings`."""
+        if answers is not None:
+            counter = _CountedSkips(POLICIES[policy](**settings), layout)
+            _run(adapter, batches, counter, answers)
+            return counter.skipped_layer_fraction, counter.skip_rates
+        report = _run(adapter, batches, POLICIES[policy](**settings)).report
+        if skip_image_positions:
+            return report.skipped_layer_fraction, report.skip_rates
+        return report.skipped_text_layer_fraction, report.text_skip_rates
     skippable_layers = sum(len(layout.layers_of_block(b)) for b in pool)
     reachable = skippable_layers / layout.num_layers
     if not 0 < target_saving <= reachable:
@@ -321,24 +390,24 @@ def calibrate(adapter: RouterAdapter, batches: Iterable[Mapping[str, Any]], targ
             warnings.warn(f"static calibration at target {target_saving}: {problem}", stacklevel=2)
     elif policy == "random":
         restricted = {} if candidates is None else {"blocks": list(pool)}
-        settings = _bisect(adapter, batches, policy, lambda rate: {"rate": rate, **restricted, **protect},
-                           target_saving / reachable, target_saving, tolerance, max_iterations, realised)
+        settings = _bisect(lambda rate: {"rate": rate, **restricted, **protect}, target_saving / reachable,
+                           target_saving, tolerance, max_iterations, skipped)
     else:
         recorder = _ScoreRecorder(_score_fn(policy))
         if policy == "gate":
             POLICIES["gate"]().validate(layout, adapter)
-        _run(adapter, batches, recorder)
+        _run(adapter, batches, recorder, answers)
         scores = {modality: {b: torch.cat(v) for b, v in values.items() if b in pool and sum(x.numel() for x in v)}
                   for modality, values in recorder.values.items()}
         if not skip_image_positions:
             scores["image"] = {}  # image positions never skip: their scores set no threshold
-        settings = _bisect(adapter, batches, policy,
-                           lambda rate: {**_settings_at(policy, scores, rate, per_modality), **protect},
-                           target_saving / reachable, target_saving, tolerance, max_iterations, realised)
+        settings = _bisect(lambda rate: {**_settings_at(policy, scores, rate, per_modality), **protect},
+                           target_saving / reachable, target_saving, tolerance, max_iterations, skipped)
 
-    controller = _run(adapter, batches, POLICIES[policy](**settings))
-    result = CalibrationResult(policy, float(target_saving), settings, realised(controller.report),
-                               rates(controller.report), "real positions" if skip_image_positions else "text positions")
+    achieved, block_rates = skipped(settings)
+    counted = ("answer positions" if answers is not None else "real positions" if skip_image_positions
+               else "text positions")
+    result = CalibrationResult(policy, float(target_saving), settings, achieved, block_rates, counted)
     if policy != "static" and abs(result.achieved_saving - target_saving) > tolerance:
         # Tied scores (recent_weight or gates on untrained routers: every token scores the same) give no quantile
         # between "skip none" and "skip all"; too few calibration tokens give coarse steps.
@@ -402,14 +471,23 @@ def _settings_at(policy: str, scores: dict[str, dict[int, Tensor]], rate: float,
     return settings
 
 
-def _bisect(adapter, batches, policy, settings_at, start_rate, target, tolerance, max_iterations, realised):
-    """Bisect the per-block skip rate until runs *with* skipping reach `target` as `realised(report)` counts it (or
-    the closest seen)."""
+def _answer_positions(batches: list[Mapping[str, Any]]) -> list[Tensor]:
+    """Each batch's answer tokens (`loss_mask`, bool [B, T]): where `counted_on="response"` counts."""
+    if not all(b.get("loss_mask") is not None and bool(b["loss_mask"].any()) for b in batches):
+        raise InputError("counted_on='response' counts the answer tokens: every calibration batch needs a "
+                         "`loss_mask` marking some (datamodule batches carry one; pass them whole, not through "
+                         "model_inputs), or count text positions with counted_on='text'")
+    return [b["loss_mask"].bool() for b in batches]
+
+
+def _bisect(settings_at, start_rate, target, tolerance, max_iterations, skipped):
+    """Bisect the per-block skip rate until runs *with* skipping reach `target` as `skipped(settings)[0]` counts it
+    (or the closest seen)."""
     low, high, rate = 0.0, 1.0, min(max(start_rate, 0.0), 1.0)
     best = (float("inf"), settings_at(rate))
     for _ in range(max_iterations):
         settings = settings_at(rate)
-        achieved = realised(_run(adapter, batches, POLICIES[policy](**settings)).report)
+        achieved = skipped(settings)[0]
         if abs(achieved - target) < best[0]:
             best = (abs(achieved - target), settings)
         if abs(achieved - target) <= tolerance:
