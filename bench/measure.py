@@ -60,7 +60,9 @@ def prepare(args: argparse.Namespace, tool: str) -> tuple[Callable[[str], None],
     manifest = write_bench_shards()
     args.backbone, args.replacement_batches = str(build_real_vlm()), 0  # the linear replacement is not measured here
     model, processor, data, load_model = load_for_measuring(args, manifest)
-    return log, Bench(model, processor, data, args.new_tokens), load_model
+    bench = Bench(model, processor, data, args.new_tokens)
+    bench.counted_on = args.counted_on
+    return log, bench, load_model
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -79,6 +79,10 @@ def add_eval_arguments(parser: argparse.ArgumentParser, targets: list[float]) ->
     parser.add_argument("--device", default="cpu", help="cpu or cuda (every measurement, and bench.run's training)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                         help="dtype of the frozen weights (routers stay fp32)")
+    parser.add_argument("--counted-on", default="response", choices=["response", "text"],
+                        help="where our per-token policies' targets are counted on the caption batches: response = "
+                             "the answer tokens (what a decode runs), text = every text position, the chat template "
+                             "and prompt too (the runs before 2026-12-06)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -216,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     bench = Bench(model, processor, data, args.new_tokens)
+    bench.counted_on = args.counted_on
     base = bench.measure_base()
     log(f"base: {base}")
     eval_settings = ("caption_samples", "new_tokens", "text_chunks", "chunk_tokens", "calibration_batches", "device", "dtype")

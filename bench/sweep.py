@@ -33,6 +33,12 @@ CANDIDATE_FACTOR = 1.5
 # val captions (24 images): `gate_b3_candidates` at 10 % read agreement 0.744 / KL 0.569 with them kept, against
 # 0.672 / 0.743 with them skipping, at the same 10.3 % of text positions skipped. The random and oracle baselines
 # follow the same rule, so every per-token row is matched on the positions it may skip.
+
+# Our per-token rows are calibrated on the answer tokens (`calibrate(counted_on="response")`), what a decode runs
+# (`--counted-on text`: on every text position, as the runs before 2026-12-06).
+# Calibrated on every text position, the caption batches' chat template and prompt (~80 % of them) took most of the
+# skipping: `gate_lora_candidates` at 20 % skipped 21 % of the prompt's layer executions, 4 % of the answers' (val).
+OURS_COUNTED_ON = "response"
 SKIP_IMAGE_POSITIONS = False
 
 
@@ -65,9 +71,10 @@ class EvalSet:
     text_chunks: list[torch.Tensor]     # held-out (test, or val) Austen token chunks for perplexity
     calibration: list[dict[str, Any]]   # caption + text batches from the val splits (also rank blocks for removal)
     calibration_by_workload: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
-    """Val batches by workload: "captions" (the caption batches of `calibration`) and "text" (raw val text chunked
-    like `text_chunks`). Per-token policies are calibrated on the workload each measurement runs (empty: on
-    `calibration` for both)."""
+    """Val batches by workload: "captions" (the caption batches of `calibration`, with the datamodule's `loss_mask`
+    marking the answer tokens) and "text" (raw val text chunked like `text_chunks`, every position an answer
+    token). Per-token policies are calibrated on the workload each measurement runs (empty: on `calibration` for
+    both)."""
     replacement_calibration: list[tuple[dict[str, Any], torch.Tensor]] = field(default_factory=list)
     """(inputs, real-token mask) batches from the *train* splits that the training-free linear replacement
     baseline is fitted on (empty: that baseline is not measured)."""
@@ -86,6 +93,7 @@ class Bench:
         self.base_method: Method = nullmethod
         self.tolerance = 0.02  # calibration: how close to each target the skipped fraction must come
         self.speed_rounds = 4  # paired rounds (base and method side by side) per decode-speed ratio
+        self.counted_on = OURS_COUNTED_ON  # where our per-token policies' targets are counted (`--counted-on`)
 
     def _decode(self, tokens: torch.Tensor) -> str:
         return self.tokenizer.decode(tokens[0], skip_special_tokens=True).strip()
@@ -375,7 +383,8 @@ def measure_adapter(bench: Bench, name: str, policy: str, adapter_dir: Path, tar
     for target in targets:
         candidates = candidates_at(adapter, ranked, target) if ranked else None
         settings = calibrated_per_workload(adapter, data, target, policy, bench.tolerance,
-                                           candidates=candidates, skip_image_positions=SKIP_IMAGE_POSITIONS)
+                                           candidates=candidates, skip_image_positions=SKIP_IMAGE_POSITIONS,
+                                           counted_on=bench.counted_on if data.calibration_by_workload else None)
         methods, replaced = {}, False
         for workload, chosen in settings.items():
             methods[workload], replaced = with_replacement(
@@ -389,6 +398,8 @@ def measure_adapter(bench: Bench, name: str, policy: str, adapter_dir: Path, tar
             extra["image_positions"] = "run every block"
         if settings["captions"] != settings["text"]:
             extra["calibrated_on"] = "each workload's val batches"
+        if policy != "static" and data.calibration_by_workload:
+            extra["counted_on"] = {"response": "answer positions", "text": "text positions"}[bench.counted_on]
         records.append(_record(f"ours-{name}", target, metrics, **extra))
         log(f"ours-{name} @ {target:.2f}: {records[-1]}")
     order, layout, spec, router_config = adapter.removal_order, adapter.layout, adapter.spec, adapter.config
@@ -402,14 +413,15 @@ def measure_adapter(bench: Bench, name: str, policy: str, adapter_dir: Path, tar
 
 
 def calibrated_per_workload(adapter, data: EvalSet, target: float, policy: str, tolerance: float, *,
-                            candidates: list[int] | None = None, skip_image_positions: bool | None = None
-                            ) -> dict[str, dict[str, Any]]:
+                            candidates: list[int] | None = None, skip_image_positions: bool | None = None,
+                            counted_on: str | None = None) -> dict[str, dict[str, Any]]:
     """`policy`'s settings at `target` for each workload ("captions", "text"), each calibrated on that workload's
     val batches, so that each realises the target where it is measured. Calibrated on both at once, a gate's
     thresholds skipped 36 % of the caption passes' layer executions and 5.5 % of the text's at the 20 % target.
     A static removal does not depend on the batches: one calibration serves both. A per-token policy skips only
     `candidates` (default: every skippable block), and image positions only with `skip_image_positions` (without,
-    the caption target counts text positions)."""
+    the caption target counts text positions); `counted_on="response"` counts the answer tokens instead (the
+    workloads' `loss_mask`)."""
     from vlm_retrofit import calibrate
 
     workloads = data.calibration_by_workload or {"captions": data.calibration, "text": data.calibration}
@@ -417,7 +429,8 @@ def calibrated_per_workload(adapter, data: EvalSet, target: float, policy: str, 
         settings = calibrate(adapter, data.calibration, target, policy, store=False).settings
         return {workload: settings for workload in workloads}
     return {workload: calibrate(adapter, batches, target, policy, store=False, tolerance=tolerance,
-                                candidates=candidates, skip_image_positions=skip_image_positions).settings
+                                candidates=candidates, skip_image_positions=skip_image_positions,
+                                counted_on=counted_on).settings
             for workload, batches in workloads.items()}
 
 
@@ -653,14 +666,16 @@ def build_eval_set(processor, manifest: dict[str, Any], args) -> EvalSet:
     pairs = tuxpaint_split(split)[: args.caption_samples]
     images = [load_image(path) for path, _ in pairs]
     captions = [prompt_inputs(processor, [image]) for image in images]
-    calibration = []
+    calibration, caption_answers = [], []
     for name in ("captions-val", "austen-val"):
         data = WebDatasetDataModule(processor=args.backbone, val_shards=manifest["shards"][name]["dir"],
                                     train_shards=manifest["shards"][name]["dir"], batch_size=4, num_workers=0,
                                     max_length=384, add_quality_callback=False)
         data.setup("validate")
-        calibration.append([model_inputs(batch)
-                            for batch, _ in zip(data.val_dataloader(), range(args.calibration_batches))])
+        batches = [batch for batch, _ in zip(data.val_dataloader(), range(args.calibration_batches))]
+        calibration.append([model_inputs(batch) for batch in batches])
+        if name == "captions-val":
+            caption_answers = [batch["loss_mask"] for batch in batches]
     # Per-token policies are calibrated on each workload as it is measured: the caption val batches for the
     # captions, and for the perplexity raw val text in chunks like the test's. Calibrated on the Austen val
     # *conversations* (chat template, padding) instead, `gate_b3` skipped 4 % of the test text's layer
@@ -668,7 +683,8 @@ def build_eval_set(processor, manifest: dict[str, Any], args) -> EvalSet:
     val_text = "\n\n".join(austen_split("val", words=manifest["params"]["words"])) + "\n"
     val_chunks = _chunks(tokenizer, val_text, args.chunk_tokens, 4 * args.calibration_batches)
     text_calibration = [torch.stack(val_chunks[i:i + 4]) for i in range(0, len(val_chunks), 4)]
-    text_calibration = [{"input_ids": ids, "attention_mask": torch.ones_like(ids)} for ids in text_calibration]
+    text_calibration = [{"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
+                        for ids in text_calibration]
     replacement_calibration = []
     for name in ("captions-train", "austen-train"):  # read in order, like the val splits above
         data = WebDatasetDataModule(processor=args.backbone, val_shards=manifest["shards"][name]["dir"],
@@ -693,6 +709,7 @@ def build_eval_set(processor, manifest: dict[str, Any], args) -> EvalSet:
                    batch8=to(prompt_inputs(processor, (images * 8)[:8])),
                    text_chunks=[c.to(args.device) for c in text_chunks],
                    calibration=calibration,
-                   calibration_by_workload={"captions": calibration[:caption_batches],
+                   calibration_by_workload={"captions": [{**b, "loss_mask": m.to(args.device)} for b, m in
+                                                         zip(calibration[:caption_batches], caption_answers)],
                                             "text": [to(b) for b in text_calibration]},
                    replacement_calibration=[(to(b), m.to(args.device)) for b, m in replacement_calibration])

@@ -159,6 +159,13 @@ def test_per_token_policies_are_calibrated_and_measured_per_workload():
     bench.data.calibration_by_workload = {"captions": bench.data.calibration, "text": text}
     settings = calibrated_per_workload(adapter, bench.data, 0.3, "recent_weight", tolerance=0.02)
     assert settings["captions"] != settings["text"]
+    # Counted on the answer tokens (the workloads' loss_mask) the captions' settings are another calibration.
+    answers = [{**b, "loss_mask": b["attention_mask"].bool() & (torch.arange(b["input_ids"].shape[1]) >= 4)}
+               for b in bench.data.calibration]
+    counted = calibrated_per_workload(adapter, EvalSet(**{**vars(bench.data), "calibration_by_workload": {
+        "captions": answers, "text": [{**b, "loss_mask": b["attention_mask"]} for b in text]}}), 0.3, "recent_weight",
+        tolerance=0.02, counted_on="response")
+    assert counted["captions"] != settings["captions"] and counted["text"] == settings["text"]
     # The text workload's settings realise the target on the text; measured under them, so does the perplexity.
     methods = {w: (lambda s=s: adapter.skipping("recent_weight", **s)) for w, s in settings.items()}
     metrics = bench.measure(methods["captions"], text_method=methods["text"], speed=False)
