@@ -125,7 +125,11 @@ class SkipAwareGenerationCallback(pl.Callback):
         key = f"{self.target_saving:.4f}"
         settings = adapter.calibration.get(self.active_policy, {}).get(key)
         if settings is None:
-            settings = calibrate(adapter, prompts, self.target_saving, self.active_policy, store=False).settings
+            # An adapter whose compute target was counted on the answers (`compute_counted_on`) is calibrated on
+            # them, where the whole validation batches' loss_mask marks them; else on the prompts generated from.
+            on_answers = adapter.compute_counted_on == "response" and self.active_policy != "static"
+            settings = calibrate(adapter, self._batches if on_answers else prompts, self.target_saving,
+                                 self.active_policy, store=False).settings
         # A healing run's replacement of the removed layers belongs to its student: the static removal runs with it.
         replaced = getattr(pl_module, "replacement_applied", None)
         skip_context = None

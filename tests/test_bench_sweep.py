@@ -495,16 +495,17 @@ def test_adapters_trained_otherwise_are_found_before_any_work(tmp_path):
     orders["joint"] = [1, 3, 2]  # the joint order searched again
     stale = stale_runs(variants, tmp_path, {v.name: removal_settings(v, orders, 3, 2) for v in variants})
     assert len(stale) == 1 and "lora_mlp_joint_plain" in stale[0] and "[1, 3, 2]" in stale[0]
-    # Gates pulled to a compute target that counted every position (before it counted real text only) are stale.
+    # Gates pulled to a compute target that counted every position (before it counted the answer tokens) are stale.
     keys = {v.name: training_key(v, expected[v.name]) for v in variants}
     assert keys["gate"] == {"recipe": recipe_digest(VARIANTS["gate"]), "overrides": None,
-                            "compute_counted_on": "real text positions", "skip_image_positions": False}
+                            "compute_counted_on": "answer positions", "skip_image_positions": False}
+    assert training_key(VARIANTS["gate_lora_candidates_text"], {})["compute_counted_on"] == "real text positions"
     assert keys["routed_static"] == {**expected["routed_static"], "recipe": recipe_digest(VARIANTS["routed_static"]),
                                      "overrides": None}
     stale = stale_runs(variants, tmp_path, keys)
     assert len(stale) == 1 and "gate" in stale[0] and "compute_counted_on" in stale[0]
     # Gates trained with image positions skipping, measured with them running, are stale too.
-    info = {"steps": 3, "compute_counted_on": "real text positions", "skip_image_positions": True,
+    info = {"steps": 3, "compute_counted_on": "answer positions", "skip_image_positions": True,
             "recipe": recipe_digest(VARIANTS["gate"])}
     (tmp_path / "gate" / "train_info.json").write_text(json.dumps(info))
     stale = stale_runs(variants, tmp_path, keys)

@@ -12,8 +12,8 @@ from vlm_retrofit.datamodules import WebDatasetDataModule
 from vlm_retrofit.training.module import RetrofitModule
 
 
-def _fit(tmp_path, logger, callback):
-    module = RetrofitModule(backbone="tiny:qwen2_vl")
+def _fit(tmp_path, logger, callback, **module_args):
+    module = RetrofitModule(backbone="tiny:qwen2_vl", **module_args)
     data = WebDatasetDataModule(processor="tiny:qwen2_vl", batch_size=4, num_workers=0, train_samples_per_epoch=8,
                                 data_dir=str(tmp_path / "data"))
     trainer = pl.Trainer(max_epochs=1, limit_val_batches=1, callbacks=[callback], default_root_dir=tmp_path,
@@ -43,6 +43,19 @@ def test_figure_reaches_tensorboard(tmp_path):
     callback = SkipAwareGenerationCallback(max_samples=4, max_new_tokens=4)
     _fit(tmp_path, pl.loggers.TensorBoardLogger(tmp_path), callback)
     assert callback.last_metrics and list(tmp_path.rglob("events.out.tfevents.*"))
+
+
+def test_gates_counted_on_the_answers_are_calibrated_on_them(tmp_path, monkeypatch):
+    from vlm_retrofit.callbacks import skip_generation
+
+    calibrated_on = []
+    calibrate = skip_generation.calibrate
+    monkeypatch.setattr(skip_generation, "calibrate",
+                        lambda adapter, batches, *a, **k: calibrated_on.append(batches) or calibrate(adapter, batches, *a, **k))
+    callback = SkipAwareGenerationCallback(max_samples=4, max_new_tokens=4, target_saving=0.25)
+    _fit(tmp_path, pl.loggers.CSVLogger(tmp_path), callback, router={"skip_gate": True}, compute_target=0.8)
+    assert callback.active_policy == "gate" and callback.last_metrics
+    assert all("loss_mask" in batch for batch in calibrated_on[0])  # the whole batches: their answers are counted
 
 
 def test_disabled_callback_does_nothing(tmp_path):

@@ -105,8 +105,9 @@ class RouterAdapter(nn.Module):
         (`RetrofitModule(skip_image_positions=False)`); calibration of a per-token policy then keeps them too."""
         self.compute_counted_on = "text"
         """Where per-token skipping's compute target was counted in training (`RetrofitModule(compute_counted_on=...)`):
-        "text" (every real text position, prompts too) or "response" (the answer tokens: what a decode runs);
-        calibration of a per-token policy counts its target there too by default."""
+        "text" (every real text position, prompts too; also routers trained without a compute target) or "response"
+        (the answer tokens: what a decode runs); calibration of a per-token policy counts its target there too by
+        default."""
         self.base_model: dict[str, Any] = {"name": getattr(unwrap_model(model), "name_or_path", None) or None}
         """How to load the base again: keyword arguments of `vlm_retrofit.backbones.loading.load_backbone`."""
 

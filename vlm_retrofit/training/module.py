@@ -118,7 +118,7 @@ class RetrofitModule(pl.LightningModule):
         compute_target: float | None = None,
         compute_weight: float = 10.0,
         compute_penalty: Literal["hinge", "squared"] = "squared",
-        compute_counted_on: Literal["text", "response"] = "text",
+        compute_counted_on: Literal["text", "response"] = "response",
         optimizer: str = "AdamW",
         lr: float = 1e-2,
         query_lr_scale: float = 1.0,
@@ -234,7 +234,8 @@ class RetrofitModule(pl.LightningModule):
                 what a decode step runs). Counted on text, a caption batch's chat template and prompt hold most of
                 the positions, and gates meet the target by skipping there: on the benchmark's VLM, gates
                 calibrated to 20 % of the text positions skipped 4 % of the answer positions' layer executions.
-                Saved with the adapter; `calibrate` counts there too by default.
+                Saved with the adapter; `calibrate` counts there too by default. A batch marking no answer
+                tokens counts every position. (Runs before 2026-12-06 counted on text.)
             optimizer: `torch.optim` class name (or dotted path) used on the trainable parameters only.
             lr: peak learning rate.
             query_lr_scale: learning-rate multiplier of the router and gate pseudo-queries. An Adam step moves
@@ -411,7 +412,8 @@ class RetrofitModule(pl.LightningModule):
         if skip_candidates is not None and not isinstance(skip_candidates, int):
             self._set_skip_candidates(skip_candidates)  # a list is checked now, before any work
         self.adapter.skip_image_positions = bool(skip_image_positions)
-        self.adapter.compute_counted_on = compute_counted_on
+        # Recorded where there was a compute target to count: calibration then counts its target there by default.
+        self.adapter.compute_counted_on = compute_counted_on if compute_target is not None else "text"
         if max_removed_blocks > len(layout.skippable_blocks):  # a ranked order is only known at the first batch
             raise InputError(f"max_removed_blocks={max_removed_blocks}: only {len(layout.skippable_blocks)} blocks may "
                              f"be removed ({list(layout.skippable_blocks)}; the others never skip)")
