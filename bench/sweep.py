@@ -399,7 +399,7 @@ def measure_adapter(bench: Bench, name: str, policy: str, adapter_dir: Path, tar
         if settings["captions"] != settings["text"]:
             extra["calibrated_on"] = "each workload's val batches"
         if policy != "static" and data.calibration_by_workload:
-            extra["counted_on"] = {"response": "answer positions", "text": "text positions"}[bench.counted_on]
+            extra["counted_on"] = bench.counted_on
         records.append(_record(f"ours-{name}", target, metrics, **extra))
         log(f"ours-{name} @ {target:.2f}: {records[-1]}")
     order, layout, spec, router_config = adapter.removal_order, adapter.layout, adapter.spec, adapter.config

@@ -24,7 +24,12 @@ COMPUTE_COUNTED_ON = {"text": "real text positions", "response": "answer positio
 
 def compute_counted_on(variant: Variant) -> str:
     """Where `variant`'s compute target is counted in training, as train_info.json records it."""
-    return COMPUTE_COUNTED_ON[variant.module.get("compute_counted_on", "response")]  # RetrofitModule's default
+    import inspect
+
+    from vlm_retrofit.training import RetrofitModule
+
+    default = inspect.signature(RetrofitModule.__init__).parameters["compute_counted_on"].default
+    return COMPUTE_COUNTED_ON[variant.module.get("compute_counted_on", default)]
 
 
 def recipe_digest(variant: Variant, decay_over: str = "steps") -> str:

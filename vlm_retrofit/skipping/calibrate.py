@@ -54,6 +54,9 @@ class _ScoreRecorder(SkipPolicy):
         self.values: dict[str, dict[int, list[Tensor]]] = {"text": defaultdict(list), "image": defaultdict(list)}
         self.positions: Tensor | None = None
 
+    def next_batch(self, positions: Tensor) -> None:
+        self.positions = positions
+
     def skip_mask(self, block: int, state: Any, adapter: Any) -> None:
         score = self.score(block, state, adapter).detach().float()
         real = state.token_is_real if state.token_is_real is not None else torch.ones_like(score, dtype=torch.bool)
@@ -78,6 +81,10 @@ class _CountedSkips(SkipPolicy):
         self.positions: Tensor | None = None
         self.tokens = 0
         self.skipped: dict[int, int] = defaultdict(int)
+
+    def next_batch(self, positions: Tensor) -> None:
+        self.positions = positions
+        self.tokens += int(positions.sum())
 
     def validate(self, layout: Any, adapter: Any) -> None:
         self.policy.validate(layout, adapter)
@@ -108,14 +115,12 @@ class _CountedSkips(SkipPolicy):
 def _run(adapter: RouterAdapter, batches: list[dict[str, Any]], policy: SkipPolicy | None,
          positions: list[Tensor] | None = None) -> SkipController:
     """`batches` through the model under `policy`; with `positions` (one bool [B, T] per batch) a policy that
-    records or counts at chosen positions is told each batch's."""
+    records or counts at chosen positions (`next_batch`) is told each batch's."""
     controller = SkipController(adapter, policy)
     with controller:
         for i, batch in enumerate(batches):
             if positions is not None:
-                policy.positions = positions[i]
-                if isinstance(policy, _CountedSkips):
-                    policy.tokens += int(positions[i].sum())
+                policy.next_batch(positions[i])
             adapter.model(**batch)
     return controller
 
