@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from vlm_retrofit.backbones import image_positions
+from vlm_retrofit.batch import model_inputs
 
 
 @dataclass
@@ -101,15 +102,23 @@ class UpdateOracle:
 
     @torch.no_grad()
     def calibrate(self, batches: list[dict[str, Any]], rate: float, *, tolerance: float = 0.005,
-                  max_steps: int = 14) -> float:
+                  max_steps: int = 14, counted_on: str = "text") -> float:
         """Thresholds under which the oracle, skipping, skips `rate` of the real tokens' layer executions on
         `batches` (of the real text tokens' with `image_token_ids`); returns the fraction it realises there.
+        `counted_on="response"`: of the answer tokens' instead (each batch's `loss_mask`), as
+        `calibrate(counted_on="response")` counts our per-token policies' targets.
 
         Every layer's threshold sits at one quantile q of that layer's updates in the full model (at the positions
         the target counts). Skipping changes the stream the layers above see, so q = rate does not realise rate
         (on the real VLM only about half of it: the layers above a skipped one update more); q is bisected on the
         realised fraction until it is within `tolerance` of rate.
         """
+        if counted_on not in ("text", "response"):
+            raise ValueError(f"counted_on must be 'text' or 'response', not {counted_on!r}")
+        if counted_on == "response" and any(batch.get("loss_mask") is None for batch in batches):
+            raise ValueError("counted_on='response' needs a loss_mask in every calibration batch")
+        counted_key = "loss_mask" if counted_on == "response" else "attention_mask"
+        inputs = [model_inputs(batch) for batch in batches]
         values: dict[int, list[Tensor]] = {i: [] for i in self.layers}
         current: dict[str, Tensor] = {}
 
@@ -118,19 +127,20 @@ class UpdateOracle:
             counted = self._masks(update.shape, current["real"])[1]  # padding says nothing about real tokens
             values[i].append(update.flatten() if counted is None else update[counted])
 
+        def run() -> None:
+            for batch, model_batch in zip(batches, inputs):
+                current["real"] = batch[counted_key].bool()
+                self.model(**model_batch)
+
         with self._hooks(record):
-            for batch in batches:
-                current["real"] = batch["attention_mask"].bool()
-                self.model(**batch)
+            run()
         updates = {i: torch.cat(v) for i, v in values.items()}
         rate = min(max(rate, 0.0), 1.0)
 
         def realised(q: float) -> float:
             self.thresholds = {i: float(torch.quantile(u, q)) for i, u in updates.items()}
             with self.skipping(real=current) as count:
-                for batch in batches:
-                    current["real"] = batch["attention_mask"].bool()
-                    self.model(**batch)
+                run()
             return count.text_skip_fraction if self.image_token_ids.numel() else count.skip_fraction
 
         fraction = realised(rate)

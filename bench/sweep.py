@@ -35,7 +35,9 @@ CANDIDATE_FACTOR = 1.5
 # follow the same rule, so every per-token row is matched on the positions it may skip.
 
 # Our per-token rows are calibrated on the answer tokens (`calibrate(counted_on="response")`), what a decode runs
-# (`--counted-on text`: on every text position, as the runs before 2026-12-06).
+# (`--counted-on text`: on every text position, as the runs before 2026-12-06). The random and oracle baselines are
+# calibrated the same way, per workload (records from 2026-12-06 on; earlier ones counted text positions on the
+# pooled calibration batches).
 # Calibrated on every text position, the caption batches' chat template and prompt (~80 % of them) took most of the
 # skipping: `gate_lora_candidates` at 20 % skipped 21 % of the prompt's layer executions, 4 % of the answers' (val).
 OURS_COUNTED_ON = "response"
@@ -366,6 +368,9 @@ def measure_adapter(bench: Bench, name: str, policy: str, adapter_dir: Path, tar
     from vlm_retrofit.replacement import load_replacements
 
     model, data, records = bench.model, bench.data, []
+    # Random and the oracle are calibrated per workload and counted where our per-token rows are (`--counted-on`).
+    workloads = data.calibration_by_workload or {"captions": data.calibration, "text": data.calibration}
+    counted_on = bench.counted_on if data.calibration_by_workload else None
     target_model, adapter = load_as_shipped(adapter_dir, model, load_model)
     bench.model = target_model
     replacement = load_replacements(adapter_dir)  # applied only where its layers are the ones removed
@@ -506,6 +511,9 @@ def measure_baselines(bench: Bench, targets: list[float], speed_target: float, r
     from .baselines import UpdateOracle
 
     model, data, records = bench.model, bench.data, []
+    # Random and the oracle are calibrated per workload and counted where our per-token rows are (`--counted-on`).
+    workloads = data.calibration_by_workload or {"captions": data.calibration, "text": data.calibration}
+    counted_on = bench.counted_on if data.calibration_by_workload else None
     key = {**key, "targets": list(targets), "speed_target": speed_target, "removal_order": list(removal_order),
            "base": bench.fingerprint(), "oracle_calibration": "bisected to the realised fraction",
            "skipping_recorded": "per workload; Block Influence on real text positions",
@@ -549,6 +557,7 @@ def measure_baselines(bench: Bench, targets: list[float], speed_target: float, r
     def point(name: str, target: float, policy: str, settings: Callable[[], dict[str, Any]],
               fixed: dict[str, Any] | None = None) -> None:
         # Static removal is timed as shipped (layers deleted, below); random needs the routing machinery.
+        # `settings` gives a static removal's settings, or random's per workload (calibrated_per_workload).
         speed = target == speed_target and policy != "static"
         before = earlier.get((name, target))
         fresh_settings = settings() if policy == "static" else None  # cheap; an earlier record must match it
@@ -556,10 +565,19 @@ def measure_baselines(bench: Bench, targets: list[float], speed_target: float, r
             before = None
         if before is not None and fixed and any(before["settings"].get(k) != v for k, v in fixed.items()):
             before = None  # e.g. random skipping restricted to other candidate blocks
-        if before is None:
-            chosen = fresh_settings or settings()
-            metrics = bench.measure(lambda: identity.skipping(policy, **chosen), speed=speed)
-            records.append(_record(name, target, metrics, settings=chosen))
+        if before is not None and policy != "static" and before.get("counted_on") != counted_on:
+            before = None  # calibrated where the target counted other positions
+        if before is None and policy == "static":
+            chosen = fresh_settings
+            records.append(_record(name, target, bench.measure(lambda: identity.skipping(policy, **chosen), speed=False),
+                                   settings=chosen))
+        elif before is None:
+            per_workload = settings()
+            chosen = per_workload["captions"]
+            metrics = bench.measure(lambda: identity.skipping(policy, **chosen), speed=speed,
+                                    text_method=lambda: identity.skipping(policy, **per_workload["text"]))
+            records.append(_record(name, target, metrics, settings=chosen, text_settings=per_workload["text"],
+                                   counted_on=counted_on))
         else:
             chosen = before["settings"]
             fresh = bench.measure_speed(lambda: identity.skipping(policy, **chosen)) if speed else {}
@@ -573,14 +591,14 @@ def measure_baselines(bench: Bench, targets: list[float], speed_target: float, r
                             ("static-greedy-joint", joint_order), *([("static-span", span_order)] if span_order else [])):
             point(name, target, "static", lambda o=order, t=target: calibrate(
                 identity, data.calibration, t, "static", store=False, order=o).settings)
-        point("random", target, "random", lambda t=target: calibrate(
-            identity, data.calibration, t, "random", store=False, tolerance=bench.tolerance,
-            skip_image_positions=SKIP_IMAGE_POSITIONS).settings)
+        point("random", target, "random", lambda t=target: calibrated_per_workload(
+            identity, data, t, "random", bench.tolerance, skip_image_positions=SKIP_IMAGE_POSITIONS,
+            counted_on=counted_on))
         # Random skipping over the blocks our per-token policies may skip: what their learned signal must beat.
         cheap = candidates_at(identity, removal_order, target)
-        point("random-cheapest", target, "random", lambda t=target, c=cheap: calibrate(
-            identity, data.calibration, t, "random", store=False, tolerance=bench.tolerance, candidates=c,
-            skip_image_positions=SKIP_IMAGE_POSITIONS).settings, fixed={"blocks": cheap})
+        point("random-cheapest", target, "random", lambda t=target, c=cheap: calibrated_per_workload(
+            identity, data, t, "random", bench.tolerance, candidates=c, skip_image_positions=SKIP_IMAGE_POSITIONS,
+            counted_on=counted_on), fixed={"blocks": cheap})
         if data.replacement_calibration:
             replaced_point(target)
     skippable_layers = layout.layers_of_blocks(layout.skippable_blocks)
@@ -597,18 +615,26 @@ def measure_baselines(bench: Bench, targets: list[float], speed_target: float, r
     for name, cheapest in (("oracle-update (runs every layer)", False), ("oracle-update-cheapest (runs every layer)", True)):
         for target in targets:
             layers = candidates_at(identity, removal_order, target) if cheapest else skippable_layers
-            extra = {"candidate_blocks": layers} if cheapest else {}
+            extra: dict[str, Any] = {"candidate_blocks": layers} if cheapest else {}
             if not SKIP_IMAGE_POSITIONS:
                 extra["image_positions"] = "run every block"
+            extra["counted_on"] = counted_on
             before = earlier.get((name, target))
             if before is not None and all(before.get(k) == v for k, v in extra.items()):
                 records.append({**before, "quality_from_earlier_run": True})
             else:
+                # Calibrated on each workload where its target counts, as our per-token rows are.
                 image_ids = () if SKIP_IMAGE_POSITIONS else identity.spec.image_token_ids(model.config)
-                oracle = UpdateOracle(model, layers, identity.spec.get_layers(model), image_token_ids=image_ids)
-                calibrated = oracle.calibrate(data.calibration, target * layout.num_layers / len(layers))
-                metrics = bench.measure(oracle.skipping, speed=False)
-                metrics["calibration_skipped_fraction"] = calibrated * len(layers) / layout.num_layers
+                oracles, calibrated = {}, {}
+                for workload, batches in workloads.items():
+                    oracles[workload] = UpdateOracle(model, layers, identity.spec.get_layers(model),
+                                                     image_token_ids=image_ids)
+                    calibrated[workload] = oracles[workload].calibrate(
+                        batches, target * layout.num_layers / len(layers), counted_on=counted_on or "text")
+                metrics = bench.measure(oracles["captions"].skipping, speed=False, text_method=oracles["text"].skipping)
+                for workload, prefix in (("captions", ""), ("text", "text_")):
+                    metrics[f"{prefix}calibration_skipped_fraction"] = (calibrated[workload] * len(layers)
+                                                                        / layout.num_layers)
                 records.append(_record(name, target, metrics, **extra))
             log(f"{name} @ {target:.2f}: {records[-1]}")
     store_baselines(cache, key, records)

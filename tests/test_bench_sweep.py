@@ -100,6 +100,31 @@ def test_baselines_are_reused_only_under_the_same_key_and_their_speed_is_measure
     assert all(r.get("quality_from_earlier_run") for r in again)
 
 
+def test_random_and_oracle_baselines_are_calibrated_per_workload_where_ours_are_counted(tmp_path):
+    bench = _bench()
+    answers = torch.zeros_like(bench.data.calibration[0]["attention_mask"])
+    answers[:, -4:] = 1
+    text = [{"input_ids": torch.stack(bench.data.text_chunks), "attention_mask": torch.ones(2, 24, dtype=torch.long)}]
+    text[0]["loss_mask"] = torch.ones(2, 24, dtype=torch.long)
+    bench.data.calibration_by_workload = {"captions": [{**bench.data.calibration[0], "loss_mask": answers}],
+                                          "text": text}
+    cache = tmp_path / "baselines.json"
+    first = _run(bench, cache, {"caption_samples": 2}, reuse=False)
+    per_token = [r for r in first if r["method"].startswith(("random", "oracle"))]
+    assert len(per_token) == 4 and all(r["counted_on"] == "response" for r in per_token)
+    assert not any("counted_on" in r for r in first if r["method"].startswith("static"))
+    for record in per_token:
+        if record["method"].startswith("random"):  # one setting per workload, each realising the target there
+            assert record["text_settings"]["rate"] != record["settings"]["rate"]
+        else:
+            assert record["calibration_skipped_fraction"] != record["text_calibration_skipped_fraction"]
+    # Counted on other positions, the per-token baselines are measured anew; the static removals are reused.
+    bench.counted_on = "text"
+    again = _run(bench, cache, {"caption_samples": 2}, reuse=True)
+    assert {r["method"] for r in again if not r.get("quality_from_earlier_run")} == {r["method"] for r in per_token}
+    assert all(r["counted_on"] == "text" for r in again if r["method"].startswith(("random", "oracle")))
+
+
 def test_the_baseline_cache_keeps_the_newest_keys_and_reads_a_one_run_cache(tmp_path):
     cache = tmp_path / "baselines.json"
     assert cached_baselines(cache) == []
@@ -725,6 +750,33 @@ def test_update_oracle_calibrates_on_the_fraction_it_realises_while_skipping():
     # The plain quantile (the level before bisection) realises another fraction on this model.
     assert abs(oracle.calibrate(batches, 0.3, max_steps=0) - 0.3) > 0.02
     assert oracle.thresholds != thresholds
+
+
+def test_update_oracle_can_count_its_target_on_the_answer_tokens():
+    from bench.baselines import UpdateOracle
+
+    model, tokenizer = tiny_vlm("llama", num_hidden_layers=8)
+    batches = [dict(tiny_inputs(tokenizer, batch=2)), dict(tiny_inputs(tokenizer, batch=2))]
+    for batch in batches:  # the last third of each sequence answers
+        answers = torch.zeros_like(batch["attention_mask"])
+        answers[:, 2 * answers.shape[1] // 3:] = 1
+        batch["loss_mask"] = answers
+    oracle = UpdateOracle(model, range(1, 8), resolve(model).get_layers(model))
+    realised = oracle.calibrate(batches, 0.3, tolerance=0.02, counted_on="response")
+    assert abs(realised - 0.3) <= 0.02
+    # Counted over the answer tokens while skipping, the realised fraction is the one calibrate reported.
+    current = {}
+    with oracle.skipping(real=current) as answers_count, torch.no_grad():
+        for batch in batches:
+            current["real"] = batch["loss_mask"].bool()
+            model(**{k: v for k, v in batch.items() if k != "loss_mask"})
+    assert answers_count.skip_fraction == pytest.approx(realised)
+    on_text = UpdateOracle(model, range(1, 8), resolve(model).get_layers(model))
+    on_text.calibrate(batches, 0.3, tolerance=0.02)  # the loss_mask is not a model input either way
+    assert on_text.thresholds != oracle.thresholds  # the answers' updates are another distribution
+    with pytest.raises(ValueError, match="loss_mask"):
+        oracle.calibrate([{k: v for k, v in batch.items() if k != "loss_mask"} for batch in batches], 0.3,
+                         counted_on="response")
 
 
 def test_update_oracle_can_keep_image_positions_running_and_count_text_positions():
