@@ -118,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--lr-scale", type=float, default=1.0,
                         help="multiplies every variant's learning rate, e.g. 1.41 with --batch-size 8: at 960 samples the "
                              "square-root scaling healed about as much per sample as batch 4 (x1.137 against x1.110-1.132; "
-                             "batch 16 x1.183, and twice its rate diverged): RESULTS.md, \"Healing steps\"")
+                             "batch 16 x1.183, and twice its rate diverged): HISTORY.md, \"Healing steps\"")
     parser.add_argument("--num-workers", type=int, default=1,
                         help="data loader workers per training run (one keeps up with a 2-core CPU's steps; a GPU's "
                              "steps need more)")

@@ -53,7 +53,7 @@ LORA_ALL = {"r": 16, "lora_alpha": 32,
 # LoRA healing of a static removal: LoRA+ on every projection, routers off (identity).
 LORA_HEALING = {**ROUTED, "lora": LORA_ALL, "train_routers": False, "lora_b_lr_scale": 4.0}
 # Learned per-token gates pulled to a compute target, trained as they are measured: image positions run every block
-# (`sweep.SKIP_IMAGE_POSITIONS`). A/B on `gate_b3_candidates` (240 steps each, seed 0, test; RESULTS.md, "Per-token
+# (`sweep.SKIP_IMAGE_POSITIONS`). A/B on `gate_b3_candidates` (240 steps each, seed 0, test; HISTORY.md, "Per-token
 # gates trained with image positions kept"): caption agreement 0.730 / 0.520 / 0.486 at 10 / 20 / 30 % against
 # 0.700 / 0.417 / 0.469 trained with them skipping; the text level (x1.422 / x1.920 / x3.367 against x1.424 /
 # x1.946 / x3.346).
@@ -70,7 +70,7 @@ GATES_ON_TEXT = {**TEXT_KL, "use_gates": True, "max_drop_rate": 0.1, "compute_ta
 # The compute target counted on the answer tokens (what a decode runs), not on every text position: counted there,
 # the caption batches' chat template and prompt (~80 % of their text positions) took the skipping, and the gates
 # skipped 5 % of a decode's layer executions at the 20 % target. A/B on `gate_lora_candidates` (seed 0, one build,
-# val, both calibrated on the answer tokens; RESULTS.md, "Per-token compute counted on the answer tokens"):
+# val, both calibrated on the answer tokens; HISTORY.md, "Per-token compute counted on the answer tokens"):
 # agreement 0.743 / KL 0.342 at 19.7 % of the decode's block FLOPs saved, against 0.706 / 0.422 trained on text.
 GATES = {**GATES_ON_TEXT, "compute_counted_on": "response"}
 VARIANTS = {
@@ -109,7 +109,7 @@ VARIANTS = {
     # batches before the first step (~1.5 min on 2 CPU cores, inside the 20 min: hence 225 steps) and folded into
     # that layer's down_proj at release. Training-free the map alone takes the 20 % removal from x1.80 to x1.37 val
     # perplexity, but 240 steps of LoRA from it ended worse than from plain removal (val x1.157 against x1.116 with
-    # 32 fit batches; x1.190 at lr 5e-4; x1.155 with 64 batches): not in the default list (RESULTS.md, probes).
+    # 32 fit batches; x1.190 at lr 5e-4; x1.155 with 64 batches): not in the default list (HISTORY.md, probes).
     "lora_mlp_joint_replaced": Variant("lora_mlp_joint_replaced", "static", {"block_size": 1},
                                        {**LORA_HEALING, "replace_removed": True, "replacement_batches": 32},
                                        fixed_removal=True, joint_order=True, steps=225),
@@ -124,11 +124,11 @@ VARIANTS = {
     # 256 tokens, 4 passes, no LoRA): the 20 % point at x1.109 against x2.05 for the plain removal of the same
     # layers. Its fit is spent from the same 20-minute budget (`BudgetDecay`). The LoRA at half the recipe's rate:
     # from this start the recipe's 0.002 made the training KL climb over the first tenths (0.18 -> 0.20), 0.001
-    # did not, and healed further on val (x1.095 against x1.100, caption KL 0.083 against 0.097; RESULTS.md).
+    # did not, and healed further on val (x1.095 against x1.100, caption KL 0.083 against 0.097; HISTORY.md).
     # 8 passes over the capture instead of 4: the replacement alone read x1.132 against x1.148 on val text (384
-    # batches x 4 passes: x1.131, 100 s dearer), for ~76 s of the budget's LoRA steps (RESULTS.md, "8 passes");
+    # batches x 4 passes: x1.131, 100 s dearer), for ~76 s of the budget's LoRA steps (HISTORY.md, "8 passes");
     # 12 instead of 8 (val x1.126): test x1.042 / x1.039 / x1.047 / x1.032 over four seeds against x1.043 / x1.041
-    # / x1.056 / x1.039, for ~60 s more of the budget (RESULTS.md, "12 passes over the capture")
+    # / x1.056 / x1.039, for ~60 s more of the budget (HISTORY.md, "12 passes over the capture")
     "lora_mlp_span_layer": Variant("lora_mlp_span_layer", "static", {"block_size": 1}, LAYER_HEALING,
                                    fixed_removal=True, span_order=True, steps=240),
     # The layer-replacement recipe for the 10 and 30 % points, each trained for its own removal and measured there,
@@ -136,7 +136,7 @@ VARIANTS = {
     # impact inside the span) may form two spans, each replaced by the layer in front of it. At 30 % the cheapest
     # span of 9 (`own_span`) instead of the 6-span and three greedy joint picks beyond it: on val, one build, one
     # seed each, x1.157 against x1.181, caption KL 0.149 against 0.160, agreement not told apart (-0.021 [-0.051,
-    # +0.009]); one layer to fit instead of three left 488 LoRA steps instead of 388 (RESULTS.md, "One span at
+    # +0.009]); one layer to fit instead of three left 488 LoRA steps instead of 388 (HISTORY.md, "One span at
     # 30 %"). The replacement's settings are the 20 % point's, not tuned for these, except that every span's layer
     # is fitted from the full model's stream, all captured in one forward (`replacement_inputs: full`): fitted each
     # on its own capture with the earlier spans replaced, the 10 % removal {14}, {16, 17} took 15 of the 20 minutes
@@ -148,7 +148,7 @@ VARIANTS = {
                                        own_span=True),
     # `lora_mlp_span`'s recipe for the 10 and 30 % points, each trained for its own removal (the span order's first
     # 3 / 9 blocks) and measured there: by hand in the 20-minute budget, x1.028 at 10 % and x1.175-1.207 at 30 %
-    # (test, pruned) against x1.170 / x1.691 for `lora_mlp_span`'s 20 % adapter at those points (RESULTS.md, "One
+    # (test, pruned) against x1.170 / x1.691 for `lora_mlp_span`'s 20 % adapter at those points (HISTORY.md, "One
     # LoRA per operating point").
     "lora_mlp_span_t10": Variant("lora_mlp_span_t10", "static", {"block_size": 1}, LORA_HEALING,
                                  fixed_removal=True, span_order=True, steps=240, removal_target=0.1),

@@ -244,7 +244,7 @@ class RetrofitModule(pl.LightningModule):
                 from identity in the first steps.
             lora_b_lr_scale: learning-rate multiplier of the LoRA B matrices (the up-projections, zero at init)
                 against the A matrices, as LoRA+ proposes: with one rate for both, the update of a wide layer is led
-                by A and learns slowly. 4 healed SmolLM2's 20 % removal best (8 was worse; bench/RESULTS.md).
+                by A and learns slowly. 4 healed SmolLM2's 20 % removal best (8 was worse; bench/HISTORY.md).
             weight_decay: decoupled weight decay on router queries / gate queries / LoRA matrices (norm gains
                 and biases are never decayed).
             optimizer_kwargs: further optimizer keywords (e.g. `{betas: [0.9, 0.95]}`).
