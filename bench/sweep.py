@@ -81,6 +81,11 @@ class EvalSet:
     """(inputs, real-token mask) batches from the *train* splits that the training-free linear replacement
     baseline is fitted on (empty: that baseline is not measured)."""
 
+    def workloads(self) -> dict[str, list[dict[str, Any]]]:
+        """The batches a per-token policy is calibrated on for each workload ("captions", "text"):
+        `calibration_by_workload`, else the pooled `calibration` for both."""
+        return self.calibration_by_workload or {"captions": self.calibration, "text": self.calibration}
+
 
 class Bench:
     """Holds the model and the base's reference outputs; measures one method at a time against them."""
@@ -96,6 +101,12 @@ class Bench:
         self.tolerance = 0.02  # calibration: how close to each target the skipped fraction must come
         self.speed_rounds = 4  # paired rounds (base and method side by side) per decode-speed ratio
         self.counted_on = OURS_COUNTED_ON  # where our per-token policies' targets are counted (`--counted-on`)
+
+    @property
+    def per_token_counted_on(self) -> str | None:
+        """Where per-token calibrations count their target: `counted_on` given workload batches (they carry the
+        answers' `loss_mask`), else None (calibrate's default for the adapter)."""
+        return self.counted_on if self.data.calibration_by_workload else None
 
     def _decode(self, tokens: torch.Tensor) -> str:
         return self.tokenizer.decode(tokens[0], skip_special_tokens=True).strip()
@@ -368,9 +379,6 @@ def measure_adapter(bench: Bench, name: str, policy: str, adapter_dir: Path, tar
     from vlm_retrofit.replacement import load_replacements
 
     model, data, records = bench.model, bench.data, []
-    # Random and the oracle are calibrated per workload and counted where our per-token rows are (`--counted-on`).
-    workloads = data.calibration_by_workload or {"captions": data.calibration, "text": data.calibration}
-    counted_on = bench.counted_on if data.calibration_by_workload else None
     target_model, adapter = load_as_shipped(adapter_dir, model, load_model)
     bench.model = target_model
     replacement = load_replacements(adapter_dir)  # applied only where its layers are the ones removed
@@ -389,7 +397,7 @@ def measure_adapter(bench: Bench, name: str, policy: str, adapter_dir: Path, tar
         candidates = candidates_at(adapter, ranked, target) if ranked else None
         settings = calibrated_per_workload(adapter, data, target, policy, bench.tolerance,
                                            candidates=candidates, skip_image_positions=SKIP_IMAGE_POSITIONS,
-                                           counted_on=bench.counted_on if data.calibration_by_workload else None)
+                                           counted_on=bench.per_token_counted_on)
         methods, replaced = {}, False
         for workload, chosen in settings.items():
             methods[workload], replaced = with_replacement(
@@ -403,8 +411,8 @@ def measure_adapter(bench: Bench, name: str, policy: str, adapter_dir: Path, tar
             extra["image_positions"] = "run every block"
         if settings["captions"] != settings["text"]:
             extra["calibrated_on"] = "each workload's val batches"
-        if policy != "static" and data.calibration_by_workload:
-            extra["counted_on"] = bench.counted_on
+        if policy != "static" and bench.per_token_counted_on:
+            extra["counted_on"] = bench.per_token_counted_on
         records.append(_record(f"ours-{name}", target, metrics, **extra))
         log(f"ours-{name} @ {target:.2f}: {records[-1]}")
     order, layout, spec, router_config = adapter.removal_order, adapter.layout, adapter.spec, adapter.config
@@ -429,7 +437,7 @@ def calibrated_per_workload(adapter, data: EvalSet, target: float, policy: str, 
     workloads' `loss_mask`)."""
     from vlm_retrofit import calibrate
 
-    workloads = data.calibration_by_workload or {"captions": data.calibration, "text": data.calibration}
+    workloads = data.workloads()
     if policy == "static":
         settings = calibrate(adapter, data.calibration, target, policy, store=False).settings
         return {workload: settings for workload in workloads}
@@ -512,8 +520,7 @@ def measure_baselines(bench: Bench, targets: list[float], speed_target: float, r
 
     model, data, records = bench.model, bench.data, []
     # Random and the oracle are calibrated per workload and counted where our per-token rows are (`--counted-on`).
-    workloads = data.calibration_by_workload or {"captions": data.calibration, "text": data.calibration}
-    counted_on = bench.counted_on if data.calibration_by_workload else None
+    workloads, counted_on = data.workloads(), bench.per_token_counted_on
     key = {**key, "targets": list(targets), "speed_target": speed_target, "removal_order": list(removal_order),
            "base": bench.fingerprint(), "oracle_calibration": "bisected to the realised fraction",
            "skipping_recorded": "per workload; Block Influence on real text positions",
