@@ -541,6 +541,40 @@ def test_whole_forward_routing_equals_push_route_and_declines_what_it_cannot_tak
 
 
 @needs_compiler
+def test_decoding_steps_reuse_the_packed_routers_until_a_router_changes(monkeypatch):
+    """Each decoding step gets the last step's packed `whole_routing` function back; a router changed in place
+    between steps (its folded parameters are new) is packed again, and the step routes with its new values."""
+    model, tokenizer = tiny_vlm("llama", num_hidden_layers=3)
+    adapter = attach_routers(model, RouterConfig(block_size=1, init_scale=0.5))
+    handed_out = []
+    original = native.NativeStream.whole_routing
+
+    def recorded(self, params):
+        handed_out.append(original(self, params))
+        return handed_out[-1]
+
+    monkeypatch.setattr(native.NativeStream, "whole_routing", recorded)
+    ids = tiny_inputs(tokenizer, batch=1)["input_ids"][:, :5]
+
+    def step(cache, token):
+        return model(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1]
+
+    with torch.no_grad():
+        cache = model(input_ids=ids, use_cache=True).past_key_values
+        token = ids[:, -1:]
+        step(cache, token)
+        step(cache, token)
+        assert handed_out[-1] is handed_out[-2]  # the second decoding step reused the first one's packing
+        next(iter(adapter.routers.values())).query.mul_(-3.0)
+        fused = step(cache, token)
+        assert handed_out[-1] is not handed_out[-2]
+        cache.crop(-1)  # the same step again, on the PyTorch path
+        monkeypatch.setattr(native, "usable", lambda first: False)
+        reference = step(cache, token)
+    torch.testing.assert_close(fused, reference, atol=1e-5, rtol=1e-5)
+
+
+@needs_compiler
 def test_a_same_shape_forward_leaves_a_held_routed_input_alone():
     """A caller keeping the very row object a layer received (no view: no storage user more) stops the stream's
     reuse too; before, the next forward of the same shape routed into it."""

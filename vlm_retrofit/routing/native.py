@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import weakref
 from pathlib import Path
 from typing import Callable, NamedTuple
 
@@ -409,6 +410,8 @@ class NativeStream:
         """Whether each row's call computed a skip gate's run probability."""
         self._own_users = self._storage_users()
         """How many tensors share each buffer's storage when only this stream and its own row views hold them."""
+        self._whole_routing: tuple[tuple, Callable[[int, Tensor, Tensor], int | None]] | None = None
+        """The last `whole_routing` function and the parameters it packed."""
 
     def restart(self) -> bool:
         """Make the buffers ready for another forward, where nothing outside this stream holds a tensor the last one
@@ -432,8 +435,11 @@ class NativeStream:
     def _storage_users(self) -> tuple[int, ...] | None:
         if _storage_use_count is None:
             return None
-        return tuple(_storage_use_count(buffer.untyped_storage()._cdata)
-                     for buffer in (*self._keep, self._routed, self.alpha, self._gate_run))
+        storages = self.__dict__.get("_storages")
+        if storages is None:  # made once: a storage object per buffer and call cost more than the counts
+            storages = self._storages = tuple(buffer.untyped_storage()._cdata for buffer in (
+                *self._keep, self._routed, self.alpha, self._gate_run))
+        return tuple(map(_storage_use_count, storages))
 
     def push_source(self, slot: int, source: Tensor) -> bool:
         """Source `slot` = `source` (the decoder input), as `push_delta` without the subtraction."""
@@ -503,7 +509,13 @@ class NativeStream:
         """`push_route` for a forward that runs every block for every token (no skip policy, nothing dropped or
         absent): `route(block, output, routed_input)` pushes block `block`'s delta into slot block + 1 and runs
         `params[block]`, the router after it, in one call whose router arguments were packed here once; the row it
-        wrote, or None (nothing written) where the kernels cannot take it: the caller then takes the general path."""
+        wrote, or None (nothing written) where the kernels cannot take it: the caller then takes the general path.
+
+        The function is kept with the stream: the next forward on it (`restart`: a decoding step) passing the same
+        parameter objects gets it back instead of packing 30 structs again."""
+        cached = self._whole_routing
+        if cached is not None and len(cached[0]) == len(params) and all(a is b for a, b in zip(cached[0], params)):
+            return cached[1]
         capacity, width, size = self._capacity, self._width, self._size
         packed: list[_Router | None] = []
         for block, router in enumerate(params):
@@ -513,19 +525,24 @@ class NativeStream:
             packed.append(_Router(router.scorer_address, router.bias_address) if usable else None)
         addresses = [None if entry is None else ctypes.addressof(entry) for entry in packed]
         call, stream = _library.vr_push_route_whole, self._address
+        # Kept on this stream, the function holds it weakly: a cycle would keep the buffers' memory in use (and out of
+        # the next stream's reach) until the garbage collector ran.
+        owner = weakref.ref(self)
 
         def route(block: int, output: Tensor, routed_input: Tensor) -> int | None:
-            row = self.routers_run
+            native = owner()
+            row = native.routers_run
             address = addresses[block] if block < len(addresses) else None
             # Checked before the foreign call, as in `push_route`: a wrong size or layout would be read past in C.
             if (address is None or row >= capacity or output.dtype is not torch.float32 or not output.is_cpu
                     or not output.is_contiguous() or output.numel() != size
-                    or (routed_input is not self._last_routed and not _is_plain(routed_input, size))):
+                    or (routed_input is not native._last_routed and not _is_plain(routed_input, size))):
                 return None
             call(stream, block + 1, output.data_ptr(), routed_input.data_ptr(), row, address)
-            return self._wrote(row, block + 2, False)
+            return native._wrote(row, block + 2, False)
 
         route.packed = packed, params  # the structs and the tensors they point into live as long as the function
+        self._whole_routing = tuple(params), route
         return route
 
     def _wrote(self, row: int, sources: int, gated: bool) -> int:
@@ -568,7 +585,7 @@ _SOLE_USERS = _sole_users()
 
 
 def _most_row_refs(rows: tuple[Tensor, ...]) -> int:
-    return max(sys.getrefcount(row) for row in rows)
+    return max(map(sys.getrefcount, rows))
 
 
 _FREE_ROW_REFS = _most_row_refs(torch.empty(2, 1).unbind(0))
