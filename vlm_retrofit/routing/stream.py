@@ -259,6 +259,8 @@ def _index_tensor(slots: tuple[int, ...], device: torch.device) -> Tensor:
 def _slot_tensor(slots: tuple[int, ...], device: torch.device) -> Tensor:
     """Long [K]: `slots` as a tensor, cached. A normal tensor even under inference_mode: the cache outlives the
     forward, and a later training step indexes the bias with it (inference tensors cannot be saved for backward)."""
+    if not torch.is_inference_mode_enabled():  # entering the context costs more than the lookup: once per layer
+        return _index_tensor(slots, device)
     with torch.inference_mode(False):
         return _index_tensor(slots, device)
 
