@@ -411,6 +411,10 @@ class NativeStream:
         """How many sources each row's router mixed."""
         self._row_gated = [False] * capacity
         """Whether each row's call computed a skip gate's run probability."""
+        # The buffers' storages, taken once (their tensors are held here): a storage object per buffer and check cost
+        # more than the counts.
+        self._storages = tuple(buffer.untyped_storage()._cdata for buffer in (*self._keep, routed, self.alpha,
+                                                                               self._gate_run))
         self._own_users = self._storage_users()
         """How many tensors share each buffer's storage when only this stream and its own row views hold them."""
         self._whole_routing: tuple[tuple, Callable[[int, Tensor, Tensor], int | None]] | None = None
@@ -438,11 +442,7 @@ class NativeStream:
     def _storage_users(self) -> tuple[int, ...] | None:
         if _storage_use_count is None:
             return None
-        storages = self.__dict__.get("_storages")
-        if storages is None:  # made once: a storage object per buffer and call cost more than the counts
-            storages = self._storages = tuple(buffer.untyped_storage()._cdata for buffer in (
-                *self._keep, self._routed, self.alpha, self._gate_run))
-        return tuple(map(_storage_use_count, storages))
+        return tuple(map(_storage_use_count, self._storages))
 
     def push_source(self, slot: int, source: Tensor) -> bool:
         """Source `slot` = `source` (the decoder input), as `push_delta` without the subtraction."""
