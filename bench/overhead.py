@@ -101,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         random_gates(adapter)
     order = adapter.removal_order or sorted(adapter.layout.skippable_blocks)
     blocks = static_prefix(order, adapter.layout, args.target)  # what calibrate(..., 'static') removes
+    layers = adapter.layout.layers_of_blocks(blocks)
     pad = generation_pad_id(getattr(processor, "tokenizer", processor))
     images = [load_image(path) for path, _ in tuxpaint_split("val")[:8]]
     print(f"threads {torch.get_num_threads()}, device {args.device} ({args.dtype}), adapter {args.adapter or 'routers at init'}, "
@@ -117,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
             static = measure(model, adapter, inputs, pad, lambda: adapter.skipping("static", blocks=blocks),
                              args.rounds, args.new_tokens)
             share = routing_share(model, adapter, inputs, pad, rounds=args.rounds, new_tokens=args.new_tokens)
-        print(f"batch {batch}: routers, skipping off {routers:.3f}x base; static removal of {len(blocks)} layers "
+        print(f"batch {batch}: routers, skipping off {routers:.3f}x base; static removal of {len(layers)} layers "
               f"{static:.3f}x base (tokens/s ratios; overhead = 1 / ratio = {1 / routers:.3f}); routing took "
               f"{share:.1%} of a routed generate call (overhead {1 / (1 - share):.3f} before dispatch and cache effects)")
         per_token = [(f"random skipping at rate {rate}", "random", {"rate": rate}) for rate in args.random_rates]
@@ -135,7 +136,6 @@ def main(argv: list[str] | None = None) -> int:
                   f"skipped: {ratio:.3f}x base")
         results.append((batch, inputs))
     adapter.detach()  # the plain model from here on: no hooks on either side
-    layers = adapter.layout.layers_of_blocks(blocks)
     for batch, inputs in results:
         with torch.no_grad():
             deleted = measure(model, None, inputs, pad, lambda: layers_removed(model, adapter.spec, layers),
