@@ -86,6 +86,17 @@ class EvalSet:
         `calibration_by_workload`, else the pooled `calibration` for both."""
         return self.calibration_by_workload or {"captions": self.calibration, "text": self.calibration}
 
+    def per_workload(self, calibrated: Callable[[list[dict[str, Any]]], Any]) -> dict[str, Any]:
+        """`calibrated(batches)` for each workload's batches (`workloads`), called once where workloads share them
+        (the pooled fallback): the same calibration twice would only repeat its forwards."""
+        results: dict[int, Any] = {}
+        by_workload = {}
+        for workload, batches in self.workloads().items():
+            if id(batches) not in results:
+                results[id(batches)] = calibrated(batches)
+            by_workload[workload] = results[id(batches)]
+        return by_workload
+
 
 class Bench:
     """Holds the model and the base's reference outputs; measures one method at a time against them."""
@@ -437,14 +448,12 @@ def calibrated_per_workload(adapter, data: EvalSet, target: float, policy: str, 
     workloads' `loss_mask`)."""
     from vlm_retrofit import calibrate
 
-    workloads = data.workloads()
     if policy == "static":
         settings = calibrate(adapter, data.calibration, target, policy, store=False).settings
-        return {workload: settings for workload in workloads}
-    return {workload: calibrate(adapter, batches, target, policy, store=False, tolerance=tolerance,
-                                candidates=candidates, skip_image_positions=skip_image_positions,
-                                counted_on=counted_on).settings
-            for workload, batches in workloads.items()}
+        return {workload: settings for workload in data.workloads()}
+    return data.per_workload(lambda batches: calibrate(
+        adapter, batches, target, policy, store=False, tolerance=tolerance, candidates=candidates,
+        skip_image_positions=skip_image_positions, counted_on=counted_on).settings)
 
 
 def cheapest_blocks(adapter, data: EvalSet, removal_order: list[int]) -> list[int]:
@@ -520,7 +529,7 @@ def measure_baselines(bench: Bench, targets: list[float], speed_target: float, r
 
     model, data, records = bench.model, bench.data, []
     # Random and the oracle are calibrated per workload and counted where our per-token rows are (`--counted-on`).
-    workloads, counted_on = data.workloads(), bench.per_token_counted_on
+    counted_on = bench.per_token_counted_on
     key = {**key, "targets": list(targets), "speed_target": speed_target, "removal_order": list(removal_order),
            "base": bench.fingerprint(), "oracle_calibration": "bisected to the realised fraction",
            "skipping_recorded": "per workload; Block Influence on real text positions",
@@ -632,16 +641,18 @@ def measure_baselines(bench: Bench, targets: list[float], speed_target: float, r
             else:
                 # Calibrated on each workload where its target counts, as our per-token rows are.
                 image_ids = () if SKIP_IMAGE_POSITIONS else identity.spec.image_token_ids(model.config)
-                oracles, calibrated = {}, {}
-                for workload, batches in workloads.items():
-                    oracles[workload] = UpdateOracle(model, layers, identity.spec.get_layers(model),
-                                                     image_token_ids=image_ids)
-                    calibrated[workload] = oracles[workload].calibrate(
-                        batches, target * layout.num_layers / len(layers), counted_on=counted_on or "text")
-                metrics = bench.measure(oracles["captions"].skipping, speed=False, text_method=oracles["text"].skipping)
+
+                def calibrated_oracle(batches, layers=layers, target=target):
+                    oracle = UpdateOracle(model, layers, identity.spec.get_layers(model), image_token_ids=image_ids)
+                    realised = oracle.calibrate(batches, target * layout.num_layers / len(layers),
+                                                counted_on=counted_on or "text")
+                    return oracle, realised * len(layers) / layout.num_layers
+
+                oracles = data.per_workload(calibrated_oracle)
+                metrics = bench.measure(oracles["captions"][0].skipping, speed=False,
+                                        text_method=oracles["text"][0].skipping)
                 for workload, prefix in (("captions", ""), ("text", "text_")):
-                    metrics[f"{prefix}calibration_skipped_fraction"] = (calibrated[workload] * len(layers)
-                                                                        / layout.num_layers)
+                    metrics[f"{prefix}calibration_skipped_fraction"] = oracles[workload][1]
                 records.append(_record(name, target, metrics, **extra))
             log(f"{name} @ {target:.2f}: {records[-1]}")
     store_baselines(cache, key, records)

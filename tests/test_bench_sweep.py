@@ -206,6 +206,15 @@ def test_per_token_policies_are_calibrated_and_measured_per_workload():
     assert pooled_settings["captions"] == pooled_settings["text"] == settings["captions"]
 
 
+def test_workloads_sharing_their_batches_are_calibrated_once():
+    data = _bench().data
+    calls = []
+    calibrate_on = lambda batches: calls.append(batches) or len(calls)  # noqa: E731
+    assert data.per_workload(calibrate_on) == {"captions": 1, "text": 1} and calls == [data.calibration]
+    data.calibration_by_workload = {"captions": data.calibration, "text": data.calibration[:1]}
+    assert data.per_workload(calibrate_on) == {"captions": 2, "text": 3}
+
+
 def _pruned_ppl(bench, layers, transforms=None):
     import copy
 
