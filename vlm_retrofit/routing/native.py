@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import importlib.machinery
+import importlib.util
 import logging
 import os
 import platform
@@ -12,11 +14,13 @@ import shutil
 import stat
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import threading
 import weakref
 from pathlib import Path
-from typing import Callable, NamedTuple
+from types import ModuleType
+from typing import Any, Callable, NamedTuple
 
 import torch
 from torch import Tensor
@@ -251,12 +255,79 @@ void vr_push_route_whole(const vr_stream* s, int64_t slot, const float* output, 
 }
 """
 
+# The same entry points as a CPython extension module, where Python's headers are installed. Called between layers
+# whose weights evict every cache, a ctypes call (libffi and per-argument converters) took ~5 us before its kernel
+# started; a METH_FASTCALL function reading its integers took ~0.8 us (SmolLM2 decode, 2-core Xeon).
+_MODULE_NAME = "_vlm_retrofit_routing"
+_MODULE_HEAD = "#define PY_SSIZE_T_CLEAN\n#include <Python.h>\n"  # before any standard header, as Python asks
+_MODULE_TAIL = r"""
+/* Arguments as the ctypes front takes them: 'p' an address (int) or None for NULL, 'i' an integer. */
+typedef union {
+    void* p;
+    int64_t i;
+} vr_arg;
+
+static int vr_unpack(PyObject* const* args, Py_ssize_t n, const char* kinds, Py_ssize_t want, vr_arg* out) {
+    if (n != want) {
+        PyErr_Format(PyExc_TypeError, "expected %zd arguments, got %zd", want, n);
+        return -1;
+    }
+    for (Py_ssize_t j = 0; j < n; ++j) {
+        if (kinds[j] == 'p')
+            out[j].p = args[j] == Py_None ? NULL : PyLong_AsVoidPtr(args[j]);
+        else
+            out[j].i = PyLong_AsLongLong(args[j]);
+    }
+    return PyErr_Occurred() ? -1 : 0;
+}
+
+static PyObject* py_push_delta(PyObject* self, PyObject* const* args, Py_ssize_t n) {
+    vr_arg a[4];
+    if (vr_unpack(args, n, "pipp", 4, a)) return NULL;
+    vr_push_delta(a[0].p, a[1].i, a[2].p, a[3].p);
+    Py_RETURN_NONE;
+}
+
+static PyObject* py_route(PyObject* self, PyObject* const* args, Py_ssize_t n) {
+    vr_arg a[9];
+    if (vr_unpack(args, n, "piiippppp", 9, a)) return NULL;
+    vr_route(a[0].p, a[1].i, a[2].i, (int)a[3].i, a[4].p, a[5].p, a[6].p, a[7].p, a[8].p);
+    Py_RETURN_NONE;
+}
+
+static PyObject* py_push_route(PyObject* self, PyObject* const* args, Py_ssize_t n) {
+    vr_arg a[11];
+    if (vr_unpack(args, n, "pippiippppp", 11, a)) return NULL;
+    vr_push_route(a[0].p, a[1].i, a[2].p, a[3].p, a[4].i, (int)a[5].i, a[6].p, a[7].p, a[8].p, a[9].p, a[10].p);
+    Py_RETURN_NONE;
+}
+
+static PyObject* py_push_route_whole(PyObject* self, PyObject* const* args, Py_ssize_t n) {
+    vr_arg a[6];
+    if (vr_unpack(args, n, "pippip", 6, a)) return NULL;
+    vr_push_route_whole(a[0].p, a[1].i, a[2].p, a[3].p, a[4].i, a[5].p);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef vr_methods[] = {
+    {"vr_push_delta", (PyCFunction)(void (*)(void))py_push_delta, METH_FASTCALL, NULL},
+    {"vr_route", (PyCFunction)(void (*)(void))py_route, METH_FASTCALL, NULL},
+    {"vr_push_route", (PyCFunction)(void (*)(void))py_push_route, METH_FASTCALL, NULL},
+    {"vr_push_route_whole", (PyCFunction)(void (*)(void))py_push_route_whole, METH_FASTCALL, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef vr_module = {PyModuleDef_HEAD_INIT, "_vlm_retrofit_routing", NULL, -1, vr_methods};
+
+PyMODINIT_FUNC PyInit__vlm_retrofit_routing(void) { return PyModule_Create(&vr_module); }
+"""
+
 # No fused multiply-adds (clang contracts a * b + c by default where the target has them): the kernels' roundings
 # are those written, the same in every row grouping and on every machine. The architecture's baseline instructions:
 # built with -march=native (AVX-512) the kernels ran slower on a 2-core Xeon.
 _FLAGS = ["-O3", "-shared", "-fPIC", "-std=c99", "-ffp-contract=off"]
 _lock = threading.Lock()
-_library: ctypes.CDLL | None = None
+_library: Any = None
 _tried = False
 
 
@@ -273,42 +344,80 @@ def _private_folder(folder: Path) -> None:
         raise RuntimeError(f"{folder} is not private to this user (owner or group/other write access)")
 
 
-def _compile(compiler: list[str], target: Path) -> None:
+def _compile(command: list[str], source_text: str, target: Path) -> None:
     with tempfile.TemporaryDirectory(dir=target.parent) as work:
         source = Path(work) / "routing.c"
-        source.write_text(_SOURCE)
+        source.write_text(source_text)
         built = Path(work) / target.name
         try:
-            result = subprocess.run([*compiler, *_FLAGS, str(source), "-o", str(built), "-lm"],
+            result = subprocess.run([*command, str(source), "-o", str(built), "-lm"],
                                     capture_output=True, text=True, timeout=120)
         except subprocess.SubprocessError as error:
-            raise RuntimeError(f"{' '.join(compiler)} failed: {error}") from error
+            raise RuntimeError(f"{' '.join(command[:1])} failed: {error}") from error
         if result.returncode != 0:
-            raise RuntimeError(f"{' '.join(compiler)} failed: {result.stderr.strip()[:500]}")
+            raise RuntimeError(f"{' '.join(command[:1])} failed: {result.stderr.strip()[:500]}")
         os.replace(built, target)  # atomic: concurrent builders never load a half-written file
 
 
-def _build() -> ctypes.CDLL:
-    compiler = shlex.split(os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or "")
-    if not compiler:
-        raise RuntimeError("no C compiler found (set CC)")
-    key = [_SOURCE, *compiler, *_FLAGS, sys.platform, platform.machine()]  # a shared home may serve other machines
+def _python_headers() -> str | None:
+    """The folder holding this Python's `Python.h`, where installed (many runtime images leave it out)."""
+    include = sysconfig.get_paths().get("include")
+    return include if include and os.path.isfile(os.path.join(include, "Python.h")) else None
+
+
+def _build_front(compiler: list[str], front: str) -> Any:
+    """Compile (once per machine, cached) and load the kernels with one calling front: `module`, a CPython
+    extension (needs Python's headers), or `ctypes`, a plain shared library."""
+    if front == "module":
+        include = _python_headers()
+        if include is None:
+            raise RuntimeError("Python's headers (Python.h) are not installed")
+        source = _MODULE_HEAD + _SOURCE + _MODULE_TAIL
+        command = [*compiler, *_FLAGS, f"-I{include}"]
+        if sys.platform == "darwin":
+            command += ["-undefined", "dynamic_lookup"]  # the interpreter provides Python's symbols
+        suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
+    else:
+        source, command, suffix = _SOURCE, [*compiler, *_FLAGS], ".so"
+    # A shared home may serve other machines and Pythons: their builds get their own names.
+    key = [source, *command, sys.platform, platform.machine(), sys.version]
     digest = hashlib.sha256("\0".join(key).encode()).hexdigest()[:16]
     folder = _cache_dir()
     _private_folder(folder)
-    target = folder / f"routing-{digest}.so"
+    target = folder / f"routing-{digest}{suffix}"
+    load = _load_module if front == "module" else _load_ctypes
     if not target.exists():
-        _compile(compiler, target)
+        _compile(command, source, target)
     try:
-        library = _load(target)
-    except (OSError, AttributeError):  # a damaged cached file: build it again, once
+        return load(target)
+    except (OSError, ImportError, AttributeError):  # a damaged cached file: build it again, once
         target.unlink(missing_ok=True)
-        _compile(compiler, target)
-        library = _load(target)
-    return library
+        _compile(command, source, target)
+        return load(target)
 
 
-def _load(target: Path) -> ctypes.CDLL:
+def _build(fronts: tuple[str, ...] = ("module", "ctypes")) -> Any:
+    """The kernels through the first calling front in `fronts` that builds."""
+    compiler = shlex.split(os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or "")
+    if not compiler:
+        raise RuntimeError("no C compiler found (set CC)")
+    failures = []
+    for front in fronts:
+        try:
+            return _build_front(compiler, front)
+        except (OSError, ImportError, RuntimeError, AttributeError) as error:
+            failures.append(f"{front}: {error}")
+    raise RuntimeError("; ".join(failures))
+
+
+def _load_module(target: Path) -> ModuleType:
+    loader = importlib.machinery.ExtensionFileLoader(_MODULE_NAME, str(target))
+    module = importlib.util.module_from_spec(importlib.util.spec_from_loader(_MODULE_NAME, loader))
+    loader.exec_module(module)
+    return module
+
+
+def _load_ctypes(target: Path) -> ctypes.CDLL:
     library = ctypes.CDLL(str(target))
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     library.vr_push_delta.argtypes = [ptr, i64, ptr, ptr]
@@ -322,8 +431,10 @@ def _load(target: Path) -> ctypes.CDLL:
     return library
 
 
-def library() -> ctypes.CDLL | None:
-    """The compiled kernels, built once per machine into ~/.cache/vlm_retrofit; None where they cannot be."""
+def library() -> Any:
+    """The compiled kernels, built once per machine into ~/.cache/vlm_retrofit; None where they cannot be. Its
+    `vr_*` functions take the C functions' arguments, addresses as ints (None for NULL); called through a CPython
+    extension where Python's headers are installed, else through ctypes."""
     global _library, _tried
     if _tried:
         return _library
