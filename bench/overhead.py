@@ -6,7 +6,8 @@
     python -m bench.overhead --random-rates 0.2 0.3 --gate-share 0.2   # per-token skipping at decode as well
 
 Every ratio is (tokens/s of the variant) / (tokens/s of the base), the median of `--rounds` paired rounds in
-ABBA order in the same process (`bench.evaluate.paired_speed_ratios`); the base is the same model with the adapter disabled. The last ratio deletes the
+ABBA order in the same process (`bench.evaluate.paired_speed_ratios`); the base is the same model with the adapter's
+hooks off (`RouterAdapter.unhooked`). The hooks' dispatch alone is the adapter attached but disabled. The last ratio deletes the
 same layers from the plain model with the routers detached: static removal as a pruned release ships it.
 On a busy CPU those ratios move by several per cent between calls, so each batch also reports routing's share of
 one routed generate call, timed inside it (`bench.evaluate.routing_share`): a finer, lower-bound reading.
@@ -25,10 +26,10 @@ from typing import Any
 
 
 def measure(model, adapter, inputs: dict[str, Any], pad: int, method, rounds: int, new_tokens: int) -> float:
-    """Tokens/s under `method` ÷ the base's (the adapter disabled; with `adapter=None` the plain model)."""
+    """Tokens/s under `method` ÷ the base's (the plain model: the adapter's hooks off, or `adapter=None`)."""
     from .evaluate import nullmethod, speed_ratio
 
-    base_method = adapter.disabled if adapter is not None else nullmethod
+    base_method = adapter.unhooked if adapter is not None else nullmethod
     return speed_ratio(model, inputs, method, base_method, pad, rounds=rounds, new_tokens=new_tokens)
 
 
@@ -115,12 +116,14 @@ def main(argv: list[str] | None = None) -> int:
             if gates and threshold is None:
                 threshold = gate_threshold_for(model, adapter, inputs, pad, args.gate_share, args.new_tokens)
             routers = measure(model, adapter, inputs, pad, torch.no_grad, args.rounds, args.new_tokens)
+            dispatch = measure(model, adapter, inputs, pad, adapter.disabled, args.rounds, args.new_tokens)
             static = measure(model, adapter, inputs, pad, lambda: adapter.skipping("static", blocks=blocks),
                              args.rounds, args.new_tokens)
             share = routing_share(model, adapter, inputs, pad, rounds=args.rounds, new_tokens=args.new_tokens)
         print(f"batch {batch}: routers, skipping off {routers:.3f}x base; static removal of {len(layers)} layers "
               f"{static:.3f}x base (tokens/s ratios; overhead = 1 / ratio = {1 / routers:.3f}); routing took "
-              f"{share:.1%} of a routed generate call (overhead {1 / (1 - share):.3f} before dispatch and cache effects)")
+              f"{share:.1%} of a routed generate call (overhead {1 / (1 - share):.3f} before dispatch and cache effects); "
+              f"hooks attached, routers disabled {dispatch:.3f}x base")
         per_token = [(f"random skipping at rate {rate}", "random", {"rate": rate}) for rate in args.random_rates]
         if gates:
             per_token.append((f"gate policy at threshold {threshold:.4f}", "gate", {"threshold": threshold}))

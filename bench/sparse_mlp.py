@@ -7,7 +7,7 @@ blocks, image positions running every block unless `--skip-image-positions`), th
 batch 1 and at batch 8 is run with a block's MLP on its running tokens only (`SkipController.sparse_mlp`, the
 default) and over every token (the skipping tokens' outputs discarded). Both generate the same tokens; the record
 gives the decoder-block FLOPs each saved (prefill and decode apart) and the decode wall-clock ratios, sparse ÷ whole
-MLP and sparse ÷ the base (the adapter disabled), and the same two ratios for the prefill alone (one forward over
+MLP and sparse ÷ the base (the adapter's hooks off), and the same two ratios for the prefill alone (one forward over
 the prompt, vision tower included), each the median of `--rounds` paired rounds in ABBA order.
 """
 
@@ -88,12 +88,12 @@ def main(argv: list[str] | None = None) -> int:
                     target_model, inputs, skipping(True), skipping(False), bench.pad, rounds=args.rounds,
                     new_tokens=args.new_tokens)
                 record[f"{key}_sparse_over_base"] = speed_ratio(
-                    target_model, inputs, skipping(True), adapter.disabled, bench.pad, rounds=args.rounds,
+                    target_model, inputs, skipping(True), adapter.unhooked, bench.pad, rounds=args.rounds,
                     new_tokens=args.new_tokens)
                 record[f"{key}_prefill_sparse_over_whole_mlp"] = prefill_ratio(
                     target_model, inputs, skipping(True), skipping(False), args.rounds)
                 record[f"{key}_prefill_sparse_over_base"] = prefill_ratio(
-                    target_model, inputs, skipping(True), adapter.disabled, args.rounds)
+                    target_model, inputs, skipping(True), adapter.unhooked, args.rounds)
                 saved = {side: record[f"{key}_{side}_mlp"]["compute_saved"] for side in ("sparse", "whole")}
                 log(f"target {target:.2f} {key}: FLOPs saved {saved['sparse']:.1%} (whole MLP {saved['whole']:.1%}); "
                     f"decode {record[f'{key}_sparse_over_whole_mlp']:.3f}x the whole MLP's, "

@@ -205,7 +205,8 @@ class Bench:
     def speed_ratio(self, inputs: dict[str, Any], method: Method, rounds: int | None = None) -> float:
         """Decode tokens/s under `method` ÷ the base's, measured alternately in this call (`speed_ratio`).
 
-        The base is the model with any attached routers disabled (`self.base_method`): the unmodified function.
+        The base is the model with any attached routers' hooks taken off (`self.base_method`, `unhooked`): the
+        unmodified function, without the hooks' dispatch either.
         """
         return speed_ratio(self.model, inputs, method, self.base_method, self.pad, rounds=rounds or self.speed_rounds)
 
@@ -393,9 +394,9 @@ def measure_adapter(bench: Bench, name: str, policy: str, adapter_dir: Path, tar
     target_model, adapter = load_as_shipped(adapter_dir, model, load_model)
     bench.model = target_model
     replacement = load_replacements(adapter_dir)  # applied only where its layers are the ones removed
-    bench.base_method = adapter.disabled  # merged LoRA stays in it: speed ratios compare skipping alone
+    bench.base_method = adapter.unhooked  # merged LoRA stays in it: speed ratios compare skipping alone
     if overhead is not None and overhead["router_overhead"] is None and target_model is model:
-        # Retrofit time ÷ base time with skipping off: routers attached vs disabled, measured alternately.
+        # Retrofit time ÷ base time with skipping off: routers attached vs their hooks off, measured alternately.
         overhead["router_overhead"] = 1.0 / bench.speed_ratio(data.captions[0], nullmethod, rounds=6)
         overhead["router_time_share"] = routing_share(model, adapter, data.captions[0], bench.pad, rounds=3)
         # The cost scales with the number of routers: say whose routers these are.
@@ -543,7 +544,7 @@ def measure_baselines(bench: Bench, targets: list[float], speed_target: float, r
             f"baselines: nothing to reuse in {cache} (missing, or measured with other settings): measuring all")
 
     identity = attach_routers(model, RouterConfig(block_size=1))  # routers at init: plain layer dropping
-    bench.base_method = identity.disabled
+    bench.base_method = identity.unhooked
     layout = identity.layout
 
     deleted: list[dict[str, Any]] = []  # static records at the speed target: timed later without any routers

@@ -92,6 +92,35 @@ def test_disabled_and_detach_give_the_exact_base(case):
     assert get_adapter(model) is None
 
 
+def test_unhooked_runs_the_plain_model_and_puts_the_hooks_back_in_place(case):
+    """Inside: no hook of the adapter on any module (the base's own dispatch), the exact base; after: the same hooks
+    in the same order among hooks registered before and during, routing again."""
+    family, model, inputs, base = case
+    adapter = attach_routers(model, RouterConfig(block_size=2))
+    _randomize(adapter)
+    routed = _logits(model, inputs["image"])
+    first_layer = adapter.spec.get_layers(model)[0]
+    calls = []
+    before = first_layer.register_forward_pre_hook(lambda module, args: calls.append("before"))
+    adapter.detach()  # re-attached after `before`: the adapter's hook sits between two others
+    adapter._attach()
+    after = first_layer.register_forward_pre_hook(lambda module, args: calls.append("after"))
+    hooked = {id(module): list(module._forward_pre_hooks) for module in model.modules()}
+    with adapter.unhooked() as plain:
+        assert plain is model
+        assert not any(set(module._forward_pre_hooks) & {h.id for h in adapter._handles} for module in model.modules())
+        assert torch.equal(_logits(model, inputs["image"]), base["image"])
+        during = first_layer.register_forward_pre_hook(lambda module, args: calls.append("during"))
+    assert list(first_layer._forward_pre_hooks)[:3] == hooked[id(first_layer)]
+    assert {id(m): [k for k in m._forward_pre_hooks if k != during.id] for m in model.modules()} == hooked
+    assert torch.equal(_logits(model, inputs["image"]), routed)
+    assert calls[-3:] == ["before", "after", "during"]
+    for handle in (before, after, during):
+        handle.remove()
+    adapter.detach()  # the handles still remove the hooks they put back
+    assert not any(module._forward_pre_hooks for module in model.modules())
+
+
 def test_routing_is_in_the_forward_path_and_generate_runs(attached):
     family, model, inputs, base, adapter = attached
     with torch.no_grad():

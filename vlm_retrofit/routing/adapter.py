@@ -170,6 +170,35 @@ class RouterAdapter(nn.Module):
         finally:
             self._enabled = previous
 
+    @contextlib.contextmanager
+    def unhooked(self) -> Iterator[nn.Module]:
+        """The plain base model (yielded): this adapter's hooks taken off it while inside, and put back on exit in
+        their places (the same handles, the same order among other hooks).
+
+        `disabled()` runs the base function through the hooks; this also leaves out their dispatch, which a decoder
+        layer with a forward pre-hook pays on every call (~7 us per hooked layer per decoded token on a 2-core CPU,
+        against ~30 ms a token for SmolLM2): the base that speed ratios divide by. Nothing of this adapter runs
+        inside, the check that a KV cache filled under static removal is continued under the same removal included.
+        """
+        removed = []
+        for handle in self._handles:
+            hooks = handle.hooks_dict_ref()
+            if hooks is None or handle.id not in hooks:
+                continue
+            extras = [(extra, extra.pop(handle.id)) for extra in (ref() for ref in handle.extra_dict_ref)
+                      if extra is not None and handle.id in extra]
+            removed.append((hooks, list(hooks), handle.id, hooks.pop(handle.id), extras))
+        try:
+            yield self.model
+        finally:
+            for hooks, order, hook_id, hook, extras in reversed(removed):
+                hooks[hook_id] = hook
+                for extra, value in extras:
+                    extra[hook_id] = value
+                place = {key: i for i, key in enumerate(order)}  # hooks added meanwhile stay after the others
+                for key in sorted(hooks, key=lambda key: place.get(key, len(order))):
+                    hooks.move_to_end(key)
+
     @property
     def enabled(self) -> bool:
         return self._enabled and self.attached
