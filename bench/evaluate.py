@@ -156,18 +156,17 @@ def timed_routing(adapter) -> Iterator[list[float]]:
                 spent[0] += time.perf_counter() - start
         return run
 
-    # The registered hook functions are swapped for timed ones in place: the same order, the same modules.
-    wrapped = []
-    for handle in adapter._handles:
-        hooks = handle.hooks_dict_ref()
-        if hooks is not None and handle.id in hooks:
-            wrapped.append((hooks, handle.id, hooks[handle.id]))
-            hooks[handle.id] = timed(hooks[handle.id])
+    from vlm_retrofit.routing import entry
+
+    # The hook functions are swapped for timed ones in place, on the same modules.
+    wrapped = [(module, entry.entry_hook(module)) for module in adapter._entry_modules()]
+    for module, hook in wrapped:
+        entry.replace_hook(module, timed(hook))
     try:
         yield spent
     finally:
-        for hooks, key, hook in wrapped:
-            hooks[key] = hook
+        for module, hook in wrapped:
+            entry.replace_hook(module, hook)
 
 
 @torch.no_grad()

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from vlm_retrofit import AdapterMismatchError, RouterAdapter, RouterConfig, attach_routers
-from vlm_retrofit.routing import get_adapter
+from vlm_retrofit.backbones import layer_hidden_states, resolve
+from vlm_retrofit.routing import entry, get_adapter
 from vlm_retrofit.testing import FAMILIES, tiny_inputs, tiny_vlm
 
 TEXT_ONLY = {"llama", "qwen2"}
@@ -92,33 +93,58 @@ def test_disabled_and_detach_give_the_exact_base(case):
     assert get_adapter(model) is None
 
 
-def test_unhooked_runs_the_plain_model_and_puts_the_hooks_back_in_place(case):
-    """Inside: no hook of the adapter on any module (the base's own dispatch), the exact base; after: the same hooks
-    in the same order among hooks registered before and during, routing again."""
+def test_unhooked_runs_the_plain_model_and_puts_the_hooks_back(case):
+    """Inside: no hook of the adapter on any module, each its own class again, the exact base; after: the same
+    hooks, routing again."""
     family, model, inputs, base = case
     adapter = attach_routers(model, RouterConfig(block_size=2))
     _randomize(adapter)
     routed = _logits(model, inputs["image"])
-    first_layer = adapter.spec.get_layers(model)[0]
-    calls = []
-    before = first_layer.register_forward_pre_hook(lambda module, args: calls.append("before"))
-    adapter.detach()  # re-attached after `before`: the adapter's hook sits between two others
-    adapter._attach()
-    after = first_layer.register_forward_pre_hook(lambda module, args: calls.append("after"))
-    hooked = {id(module): list(module._forward_pre_hooks) for module in model.modules()}
+    classes = {id(module): type(module) for module in model.modules()}
+    hooks = [entry.entry_hook(module) for module in adapter._entry_modules()]
+    assert len(hooks) == adapter.layout.num_blocks + 1  # each block's first layer and the final norm
     with adapter.unhooked() as plain:
-        assert plain is model
-        assert not any(set(module._forward_pre_hooks) & {h.id for h in adapter._handles} for module in model.modules())
+        assert plain is model and not any(entry.has_entry(module) for module in model.modules())
+        assert all(type(module) is getattr(classes[id(module)], "_vlm_retrofit_plain_class", classes[id(module)])
+                   for module in model.modules())
         assert torch.equal(_logits(model, inputs["image"]), base["image"])
-        during = first_layer.register_forward_pre_hook(lambda module, args: calls.append("during"))
-    assert list(first_layer._forward_pre_hooks)[:3] == hooked[id(first_layer)]
-    assert {id(m): [k for k in m._forward_pre_hooks if k != during.id] for m in model.modules()} == hooked
+    assert {id(module): type(module) for module in model.modules()} == classes
+    assert [entry.entry_hook(module) for module in adapter._entry_modules()] == hooks
     assert torch.equal(_logits(model, inputs["image"]), routed)
-    assert calls[-3:] == ["before", "after", "during"]
-    for handle in (before, after, during):
+    adapter.detach()
+
+
+def test_a_layer_receives_the_routed_input_before_its_own_hooks_and_patched_forward(case):
+    """The routers' entry runs first in a hooked layer's call: its forward pre-hooks (even one registered before the
+    routers were attached) and an instance `forward` (a skip context's) see the routed input. The layer keeps its
+    class's name and type checks; detach gives it its own class back."""
+    family, model, inputs, base = case
+    layer = resolve(model).get_layers(model)[1]
+    plain_class = type(layer)
+    seen = {}
+    handle = layer.register_forward_pre_hook(lambda module, args, kwargs: seen.__setitem__(
+        "pre", layer_hidden_states(args, kwargs).clone()), with_kwargs=True)
+    original = layer.forward
+
+    def forward(*args, **kwargs):
+        seen["forward"] = layer_hidden_states(args, kwargs).clone()
+        return original(*args, **kwargs)
+
+    _logits(model, inputs["text"])
+    unrouted = seen["pre"]
+    adapter = attach_routers(model, RouterConfig(block_size=1))
+    _randomize(adapter)
+    layer.forward = forward
+    try:
+        _logits(model, inputs["text"])
+    finally:
+        del layer.forward
         handle.remove()
-    adapter.detach()  # the handles still remove the hooks they put back
-    assert not any(module._forward_pre_hooks for module in model.modules())
+    assert isinstance(layer, plain_class) and type(layer).__name__ == plain_class.__name__
+    assert not torch.equal(seen["pre"], unrouted)  # the routers changed it (layer 1 is block 1: routed)
+    assert torch.equal(seen["forward"], seen["pre"])
+    adapter.detach()
+    assert type(layer) is plain_class and not entry.has_entry(layer)
 
 
 def test_routing_is_in_the_forward_path_and_generate_runs(attached):

@@ -23,6 +23,7 @@ from vlm_retrofit import RouterConfig, attach_routers  # noqa: E402
 from vlm_retrofit.backbones import resolve  # noqa: E402
 from vlm_retrofit.pruning import prune_layers  # noqa: E402
 from vlm_retrofit.replacement import fit_replacements, fold_replacements  # noqa: E402
+from vlm_retrofit.routing import entry  # noqa: E402
 from vlm_retrofit.testing import tiny_inputs, tiny_vlm  # noqa: E402
 
 QUALITY = ("agreement", "kl", "ppl_ratio", "rouge_l", "compute_saved", "skipped_fraction")
@@ -254,7 +255,7 @@ def test_pruned_release_records_measure_what_the_pruned_model_computes(tmp_path)
     assert [(r["target"], r["settings"]["blocks"]) for r in records] == [(0.25, [2, 3]), (0.5, [1, 2, 3])]
     assert records[0]["decode_speedup_b1"] > 0 and records[1]["decode_speedup_b1"] is None
     assert "pruned release" in records[0]["speed_measured_as"]
-    assert not any(layer._forward_pre_hooks for layer in spec.get_layers(bench.model))  # identity routers detached
+    assert not any(entry.has_entry(layer) for layer in spec.get_layers(bench.model))  # identity routers detached
     assert abs(records[0]["ppl_ratio"] - _pruned_ppl(bench, [2, 3])) < 1e-4
     assert "replacement" not in records[0]
 
@@ -689,7 +690,7 @@ def test_routing_time_accumulates_over_forwards_and_leaves_the_adapter_as_it_was
     model, tokenizer = tiny_vlm("llama", num_hidden_layers=4)
     adapter = attach_routers(model, RouterConfig(block_size=1))
     inputs = dict(tiny_inputs(tokenizer, batch=1))
-    hooks = [handle.hooks_dict_ref()[handle.id] for handle in adapter._handles]
+    hooks = [entry.entry_hook(module) for module in adapter._entry_modules()]
     with torch.no_grad():
         reference = model(**inputs).logits
         with timed_routing(adapter) as spent:
@@ -698,7 +699,7 @@ def test_routing_time_accumulates_over_forwards_and_leaves_the_adapter_as_it_was
             model(**inputs)
     assert torch.equal(timed, reference)  # timing does not change what is computed
     assert 0 < one_forward < spent[0]  # every forward adds to it
-    assert [handle.hooks_dict_ref()[handle.id] for handle in adapter._handles] == hooks  # the hooks are back
+    assert [entry.entry_hook(module) for module in adapter._entry_modules()] == hooks  # the hooks are back
     share = routing_share(model, adapter, inputs, tokenizer.pad_token_id or 0, rounds=2, new_tokens=3)
     assert 0 < share < 1
     with adapter.disabled():  # the base function routes nothing: its hooks return at once
@@ -915,7 +916,7 @@ def test_measure_adapter_measures_a_lora_healed_adapter_routed_and_pruned(tmp_pa
         assert pruned[key] == pytest.approx(routed[key], abs=1e-4), key
     assert pruned["settings"]["blocks"] == [2, 3] and pruned["decode_speedup_b1"] > 0
     assert bench.model is base_model and bench.base_method is nullmethod  # the bench is left as it was found
-    assert not any(layer._forward_pre_hooks for layer in resolve(base_model).get_layers(base_model))
+    assert not any(entry.has_entry(layer) for layer in resolve(base_model).get_layers(base_model))
 
 
 def test_bench_measure_refuses_a_folder_without_an_adapter_before_loading_anything(tmp_path):

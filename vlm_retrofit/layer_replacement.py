@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from .backbones.registry import BackboneSpec, unwrap_model
+from .routing import entry
 
 
 def standalone_layer(layer: nn.Module) -> nn.Module:
@@ -29,6 +30,7 @@ def standalone_layer(layer: nn.Module) -> nn.Module:
     clone = copy.deepcopy(layer)
     for module in list(clone.modules()):
         module.__dict__.pop("forward", None)
+        entry.remove(module)
         for hooks in (module._forward_hooks, module._forward_pre_hooks, module._backward_hooks,
                       module._backward_pre_hooks, module._forward_hooks_with_kwargs, module._forward_pre_hooks_with_kwargs):
             hooks.clear()

@@ -1,4 +1,4 @@
-"""RouterAdapter: depth routers held outside the HF module tree, attached by hooks on module instances."""
+"""RouterAdapter: depth routers held outside the HF module tree, attached by entry hooks on module instances."""
 
 from __future__ import annotations
 
@@ -12,12 +12,12 @@ from typing import Any, Iterator, Mapping
 import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
-from torch.utils.hooks import RemovableHandle
 
 from ..backbones import (BackboneSpec, base_fingerprint, differing_weights, layer_hidden_states, lora_layers, resolve,
                          unwrap_model, with_layer_hidden_states)
 from ..errors import InputError
 from ..files import atomic_write
+from . import entry
 from .config import BlockLayout, RouterConfig
 from .native import StreamBuffers
 from .router import DepthRouter, SkipGate
@@ -76,7 +76,8 @@ class RouterAdapter(nn.Module):
         )
         # Plain attributes (not submodules): the adapter must not own or save the backbone.
         self.__dict__["_model_ref"] = weakref.ref(model)
-        self._handles: list[RemovableHandle] = []
+        self._entries: list[weakref.ref[nn.Module]] = []
+        """The modules carrying this adapter's entry hooks (`routing.entry`): each block's first layer, the final norm."""
         self._frozen_by_attach: list[nn.Parameter] = []
         self._enabled = True
         self._state = StreamState()
@@ -121,27 +122,27 @@ class RouterAdapter(nn.Module):
 
     @property
     def attached(self) -> bool:
-        return bool(self._handles)
+        return bool(self._entries)
 
     def _attach(self) -> "RouterAdapter":
         model = self.model
         if model in _ATTACHED:
             raise RuntimeError("this model already has a RouterAdapter attached; call adapter.detach() first")
         layers = self.spec.get_layers(model)
-        for block, start in enumerate(self.layout.block_starts):
-            self._handles.append(layers[start].register_forward_pre_hook(self._block_hook(block), with_kwargs=True))
-        self._handles.append(
-            self.spec.get_final_norm(model).register_forward_pre_hook(self._final_hook, with_kwargs=True)
-        )
+        hooked = [(layers[start], self._block_hook(block)) for block, start in enumerate(self.layout.block_starts)]
+        hooked.append((self.spec.get_final_norm(model), self._final_hook))
+        for module, hook in hooked:
+            entry.install(module, hook)
+            self._entries.append(weakref.ref(module))
         _ATTACHED[model] = self
         return self
 
     def detach(self) -> None:
         """Remove every hook and unfreeze the parameters `attach_routers` froze (those that were trainable before
         it): the model computes and trains as it did before."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+        for module in self._entry_modules():
+            entry.remove(module)
+        self._entries.clear()
         for parameter in self._frozen_by_attach:
             parameter.requires_grad_(True)
         self._frozen_by_attach = []
@@ -172,32 +173,26 @@ class RouterAdapter(nn.Module):
 
     @contextlib.contextmanager
     def unhooked(self) -> Iterator[nn.Module]:
-        """The plain base model (yielded): this adapter's hooks taken off it while inside, and put back on exit in
-        their places (the same handles, the same order among other hooks).
+        """The plain base model (yielded): this adapter's hooks taken off it while inside, and the same hooks put back
+        on exit.
 
-        `disabled()` runs the base function through the hooks; this also leaves out their dispatch, which a decoder
-        layer with a forward pre-hook pays on every call (~7 us per hooked layer per decoded token on a 2-core CPU,
-        against ~30 ms a token for SmolLM2): the base that speed ratios divide by. Nothing of this adapter runs
-        inside, the check that a KV cache filled under static removal is continued under the same removal included.
+        `disabled()` runs the base function through the hooks; this also leaves out their calls: the base that speed
+        ratios divide by. Nothing of this adapter runs inside, the check that a KV cache filled under static removal
+        is continued under the same removal included.
         """
-        removed = []
-        for handle in self._handles:
-            hooks = handle.hooks_dict_ref()
-            if hooks is None or handle.id not in hooks:
-                continue
-            extras = [(extra, extra.pop(handle.id)) for extra in (ref() for ref in handle.extra_dict_ref)
-                      if extra is not None and handle.id in extra]
-            removed.append((hooks, list(hooks), handle.id, hooks.pop(handle.id), extras))
+        hooked = [(module, entry.entry_hook(module)) for module in self._entry_modules()]
+        for module, _ in hooked:
+            entry.remove(module)
         try:
             yield self.model
         finally:
-            for hooks, order, hook_id, hook, extras in reversed(removed):
-                hooks[hook_id] = hook
-                for extra, value in extras:
-                    extra[hook_id] = value
-                place = {key: i for i, key in enumerate(order)}  # hooks added meanwhile stay after the others
-                for key in sorted(hooks, key=lambda key: place.get(key, len(order))):
-                    hooks.move_to_end(key)
+            for module, hook in hooked:
+                entry.install(module, hook)
+
+    def _entry_modules(self) -> list[nn.Module]:
+        """The modules carrying this adapter's hooks, where they still exist and carry them."""
+        modules = (ref() for ref in self._entries)
+        return [module for module in modules if module is not None and entry.has_entry(module)]
 
     @property
     def enabled(self) -> bool:
