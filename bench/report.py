@@ -187,6 +187,12 @@ def write_report(results: dict[str, Any], out_dir: Path) -> None:
         lines.append(f"* routing's share of a routed decode with skipping off (timed inside one generate call, batch 1"
                      f"{', host time: kernel launches, not GPU work' if on_cuda else ''}): "
                      f"{share:.1%}, i.e. overhead {1 / (1 - share):.3f} before hook dispatch and cache effects")
+    by_block_size = results.get("router_overhead_by_block_size")
+    if by_block_size:
+        lines.append("* router overhead with skipping off by block size (routers at init, which cost what trained ones "
+                     "do; batch 1): " + "; ".join(
+                         f"block size {size} ({entry['routers']} routers): {entry['overhead']:.3f}, routing "
+                         f"{entry['time_share']:.1%} of a routed generate call" for size, entry in by_block_size.items()))
     for name, info in results["training"].items():
         took = (f"{info['fit_seconds'] / 60:.1f} of {info['minutes']:g} min" if info.get("fit_seconds")
                 else f"{info['minutes']} min")  # older runs recorded the budget only

@@ -361,9 +361,39 @@ def sweep(bench: Bench, targets: list[float], variants: list, speed_target: floa
         records += measure_adapter(bench, variant.name, variant.policy, runs / variant.name / "adapter",
                                    targets if own is None else [own], speed_target if own is None else own,
                                    removal_order, load_model, log, overhead=overhead)
+    overhead["router_overhead_by_block_size"] = router_overhead_by_block_size(bench)
+    log(f"router overhead by block size (routers at init): {overhead['router_overhead_by_block_size']}")
     records += measure_baselines(bench, targets, speed_target, removal_order, joint_order, log, cache=runs / "baselines.json",
                                  key=baseline_key or {}, reuse=reuse_baselines, span_order=span_order)
     return records, overhead
+
+
+OVERHEAD_ROUNDS = 24
+"""Paired rounds behind each router overhead: a ratio of ~1.02 must be told from 1.00 on a machine whose adjacent
+generate calls differ by a few per cent (routers disabled read 0.985-1.000x the plain model in 8 rounds)."""
+
+OVERHEAD_BLOCK_SIZES = (1, 2, 3)
+
+
+def router_overhead_by_block_size(bench: Bench, block_sizes: tuple[int, ...] = OVERHEAD_BLOCK_SIZES,
+                                  rounds: int = OVERHEAD_ROUNDS) -> dict[str, dict[str, Any]]:
+    """Routers at init with skipping off in front of every `block_size` layers of the bench's model, for each block
+    size: decode time ÷ the plain model's (`overhead`) and routing's share of a routed generate call (`time_share`),
+    on the first caption batch (batch 1). Trained routers cost the same: the fused kernels do the same work whatever
+    the routers' values."""
+    from vlm_retrofit import RouterConfig, attach_routers
+
+    inputs, measured = bench.data.captions[0], {}
+    for block_size in block_sizes:
+        adapter = attach_routers(bench.model, RouterConfig(block_size=block_size))
+        try:
+            ratio = speed_ratio(bench.model, inputs, nullmethod, adapter.unhooked, bench.pad, rounds=rounds)
+            share = routing_share(bench.model, adapter, inputs, bench.pad, rounds=3)
+        finally:
+            adapter.detach()
+        measured[str(block_size)] = {"routers": len(adapter.routers), "overhead": round(1.0 / ratio, 4),
+                                     "time_share": round(share, 4)}
+    return measured
 
 
 def load_as_shipped(adapter_dir: Path, model, load_model: Callable[[], Any]) -> tuple[Any, Any]:
@@ -397,7 +427,7 @@ def measure_adapter(bench: Bench, name: str, policy: str, adapter_dir: Path, tar
     bench.base_method = adapter.unhooked  # merged LoRA stays in it: speed ratios compare skipping alone
     if overhead is not None and overhead["router_overhead"] is None and target_model is model:
         # Retrofit time ÷ base time with skipping off: routers attached vs their hooks off, measured alternately.
-        overhead["router_overhead"] = 1.0 / bench.speed_ratio(data.captions[0], nullmethod, rounds=6)
+        overhead["router_overhead"] = 1.0 / bench.speed_ratio(data.captions[0], nullmethod, rounds=OVERHEAD_ROUNDS)
         overhead["router_time_share"] = routing_share(model, adapter, data.captions[0], bench.pad, rounds=3)
         # The cost scales with the number of routers: say whose routers these are.
         overhead["router_overhead_measured_on"] = f"{name} (block size {adapter.config.block_size})"

@@ -18,7 +18,7 @@ from bench.run import BASELINES_OUT, ROOT, build_parser, report_dir  # noqa: E40
 from bench.variants import VARIANTS, selected_variants  # noqa: E402
 from bench.evaluate import nullmethod, perplexity, routing_share, timed_routing  # noqa: E402
 from bench.sweep import (BASELINE_CACHE_ENTRIES, Bench, EvalSet, cached_baselines, measure_baselines,  # noqa: E402
-                         measure_pruned, store_baselines)
+                         measure_pruned, router_overhead_by_block_size, store_baselines)
 from vlm_retrofit import RouterConfig, attach_routers  # noqa: E402
 from vlm_retrofit.backbones import resolve  # noqa: E402
 from vlm_retrofit.pruning import prune_layers  # noqa: E402
@@ -278,6 +278,8 @@ def test_report_writes_json_markdown_and_plot(tmp_path):
             "tf_skipped_text_fraction": 0.2, "ppl_skipped_fraction": 0.19}  # image positions kept from skipping
     results = {"date": "2026-01-01", "machine": "test", "backbone": "tiny", "router_overhead": 1.05,
                "router_time_share": 0.04, "backbone_weights": "0123456789abcdef",
+               "router_overhead_by_block_size": {"1": {"routers": 30, "overhead": 1.031, "time_share": 0.027},
+                                                 "2": {"routers": 15, "overhead": 1.012, "time_share": 0.013}},
                "base": {"ppl": 50.0, "rouge_l": 0.35, "speed_b1": 10.0, "speed_b8": 40.0, "continuations": "feed"},
                "training": {"routed": {"steps": 3, "minutes": 1.0, "step_seconds": 2.0, "batch_size": 4,
                                        "peak_rss_mb": 100.0, "lr": 2e-3, "query_lr_scale": 0.04,
@@ -303,6 +305,7 @@ def test_report_writes_json_markdown_and_plot(tmp_path):
     assert "| static-greedy-impact | 0.20 | 0.190 |" in table and "router overhead" in table
     assert "| 1.100 (1.04–1.16) | – |" in table  # the median of the paired rounds with their range
     assert "4.0%, i.e. overhead 1.042" in table
+    assert "block size 2 (15 routers): 1.012, routing 1.3% of a routed generate call" in table
     assert "real VLM build: weights 0123456789abcdef, base captions feed" in table  # which build's captions these are
     assert "| 0.210 / 0.100 (text 0.200) / 0.190 |" in table  # the caption passes' text positions beside all
     assert "lr 0.002, queries at 0.04x lr, removal schedule k = 6..9" in table
@@ -680,10 +683,22 @@ def test_one_adapter_per_operating_point_trains_and_is_measured_at_its_own_targe
                         lambda bench_, name, policy, adapter_dir, targets, speed_target, *a, **k:
                         measured.append((name, targets, speed_target)) or [])
     monkeypatch.setattr(bench.sweep, "measure_baselines", lambda *a, **k: [])
+    monkeypatch.setattr(bench.sweep, "router_overhead_by_block_size", lambda *a, **k: {})
     bench.sweep.sweep(None, [0.1, 0.2, 0.3], [VARIANTS["lora_mlp_span"], t10, t30], 0.2, [1, 2, 3], [3, 1, 2],
                       lambda: None, Path("runs"), lambda message: None)
     assert measured == [("lora_mlp_span", [0.1, 0.2, 0.3], 0.2), ("lora_mlp_span_t10", [0.1], 0.1),
                         ("lora_mlp_span_t30", [0.3], 0.3)]
+
+
+def test_router_overhead_is_measured_per_block_size_against_the_plain_model():
+    bench = _bench()
+    measured = router_overhead_by_block_size(bench, (1, 3), rounds=2)
+    # 6 layers: blocks of 1 -> routers before blocks 1-5 and the final norm; blocks of 3 -> before block 1 and final.
+    assert {size: entry["routers"] for size, entry in measured.items()} == {"1": 6, "3": 2}
+    assert all(entry["overhead"] > 0 and 0 < entry["time_share"] < 1 for entry in measured.values())
+    assert measured["3"]["time_share"] < measured["1"]["time_share"]
+    layers = resolve(bench.model).get_layers(bench.model)
+    assert not any(entry.has_entry(layer) for layer in layers)  # nothing left attached
 
 
 def test_routing_time_accumulates_over_forwards_and_leaves_the_adapter_as_it_was():
