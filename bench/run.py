@@ -27,10 +27,13 @@ def repository_path(value: Any) -> Any:
     """An absolute path inside the repository as relative to it (a record then names no machine's folders);
     anything else as given."""
     if isinstance(value, str) and os.path.isabs(value):
-        try:
-            return Path(value).resolve().relative_to(ROOT.parent).as_posix()
-        except ValueError:  # outside the repository
-            return value
+        # As written first: a folder reached through a link (a checkout whose bench/.cache links to another's)
+        # resolves outside the repository.
+        for path in (Path(value), Path(value).resolve()):
+            try:
+                return path.relative_to(ROOT.parent).as_posix()
+            except ValueError:  # outside the repository
+                continue
     return value
 
 

@@ -268,7 +268,7 @@ def test_the_kernels_are_called_through_an_extension_module_where_python_headers
     the same kernels through ctypes."""
     if native._python_headers() is None:
         pytest.skip("this Python has no headers")
-    assert native.library().__name__ == native._MODULE_NAME
+    assert native.library().__name__ == native.MODULE_NAME
     with pytest.raises(TypeError, match="expected 6 arguments"):  # refused in C, before any pointer is read
         native.library().vr_push_route_whole(None, 0)
     monkeypatch.setattr(native, "_python_headers", lambda: None)

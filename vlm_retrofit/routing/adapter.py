@@ -131,9 +131,15 @@ class RouterAdapter(nn.Module):
         layers = self.spec.get_layers(model)
         hooked = [(layers[start], self._block_hook(block)) for block, start in enumerate(self.layout.block_starts)]
         hooked.append((self.spec.get_final_norm(model), self._final_hook))
-        for module, hook in hooked:
-            entry.install(module, hook)
-            self._entries.append(weakref.ref(module))
+        try:
+            for module, hook in hooked:
+                entry.install(module, hook)
+                self._entries.append(weakref.ref(module))
+        except RuntimeError:  # a module another adapter entered: leave the model as it was
+            for module in self._entry_modules():
+                entry.remove(module)
+            self._entries.clear()
+            raise
         _ATTACHED[model] = self
         return self
 
