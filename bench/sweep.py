@@ -383,17 +383,24 @@ def router_overhead_by_block_size(bench: Bench, block_sizes: tuple[int, ...] = O
     the routers' values."""
     from vlm_retrofit import RouterConfig, attach_routers
 
-    inputs, measured = bench.data.captions[0], {}
+    measured = {}
     for block_size in block_sizes:
         adapter = attach_routers(bench.model, RouterConfig(block_size=block_size))
         try:
-            ratio = speed_ratio(bench.model, inputs, nullmethod, adapter.unhooked, bench.pad, rounds=rounds)
-            share = routing_share(bench.model, adapter, inputs, bench.pad, rounds=3)
+            overhead, share = router_overhead(bench, adapter, rounds)
         finally:
             adapter.detach()
-        measured[str(block_size)] = {"routers": len(adapter.routers), "overhead": round(1.0 / ratio, 4),
+        measured[str(block_size)] = {"routers": len(adapter.routers), "overhead": round(overhead, 4),
                                      "time_share": round(share, 4)}
     return measured
+
+
+def router_overhead(bench: Bench, adapter, rounds: int = OVERHEAD_ROUNDS) -> tuple[float, float]:
+    """`adapter`'s routers with skipping off on the bench's first caption batch (batch 1): decode time ÷ the plain
+    model's (its hooks off), and routing's share of a routed generate call."""
+    inputs = bench.data.captions[0]
+    ratio = speed_ratio(bench.model, inputs, nullmethod, adapter.unhooked, bench.pad, rounds=rounds)
+    return 1.0 / ratio, routing_share(bench.model, adapter, inputs, bench.pad, rounds=3)
 
 
 def load_as_shipped(adapter_dir: Path, model, load_model: Callable[[], Any]) -> tuple[Any, Any]:
@@ -427,8 +434,7 @@ def measure_adapter(bench: Bench, name: str, policy: str, adapter_dir: Path, tar
     bench.base_method = adapter.unhooked  # merged LoRA stays in it: speed ratios compare skipping alone
     if overhead is not None and overhead["router_overhead"] is None and target_model is model:
         # Retrofit time ÷ base time with skipping off: routers attached vs their hooks off, measured alternately.
-        overhead["router_overhead"] = 1.0 / bench.speed_ratio(data.captions[0], nullmethod, rounds=OVERHEAD_ROUNDS)
-        overhead["router_time_share"] = routing_share(model, adapter, data.captions[0], bench.pad, rounds=3)
+        overhead["router_overhead"], overhead["router_time_share"] = router_overhead(bench, adapter)
         # The cost scales with the number of routers: say whose routers these are.
         overhead["router_overhead_measured_on"] = f"{name} (block size {adapter.config.block_size})"
     # Trained routers with skipping off: what the retrofit itself costs before any block is skipped.

@@ -136,9 +136,7 @@ class RouterAdapter(nn.Module):
                 entry.install(module, hook)
                 self._entries.append(weakref.ref(module))
         except RuntimeError:  # a module another adapter entered: leave the model as it was
-            for module in self._entry_modules():
-                entry.remove(module)
-            self._entries.clear()
+            self._remove_entries()
             raise
         _ATTACHED[model] = self
         return self
@@ -146,9 +144,7 @@ class RouterAdapter(nn.Module):
     def detach(self) -> None:
         """Remove every hook and unfreeze the parameters `attach_routers` froze (those that were trainable before
         it): the model computes and trains as it did before."""
-        for module in self._entry_modules():
-            entry.remove(module)
-        self._entries.clear()
+        self._remove_entries()
         for parameter in self._frozen_by_attach:
             parameter.requires_grad_(True)
         self._frozen_by_attach = []
@@ -194,6 +190,11 @@ class RouterAdapter(nn.Module):
         finally:
             for module, hook in hooked:
                 entry.install(module, hook)
+
+    def _remove_entries(self) -> None:
+        for module in self._entry_modules():
+            entry.remove(module)
+        self._entries.clear()
 
     def _entry_modules(self) -> list[nn.Module]:
         """The modules carrying this adapter's hooks, where they still exist and carry them."""

@@ -63,9 +63,9 @@ def _compile(command: list[str], source_text: str, target: Path) -> None:
             result = subprocess.run([*command, str(source), "-o", str(built), "-lm"],
                                     capture_output=True, text=True, timeout=120)
         except subprocess.SubprocessError as error:
-            raise RuntimeError(f"{' '.join(command[:1])} failed: {error}") from error
+            raise RuntimeError(f"{command[0]} failed: {error}") from error
         if result.returncode != 0:
-            raise RuntimeError(f"{' '.join(command[:1])} failed: {result.stderr.strip()[:500]}")
+            raise RuntimeError(f"{command[0]} failed: {result.stderr.strip()[:500]}")
         os.replace(built, target)  # atomic: concurrent builders never load a half-written file
 
 

@@ -237,7 +237,8 @@ typedef union {
     int64_t i;
 } vr_arg;
 
-static int vr_unpack(PyObject* const* args, Py_ssize_t n, const char* kinds, Py_ssize_t want, vr_arg* out) {
+static int vr_unpack(PyObject* const* args, Py_ssize_t n, const char* kinds, vr_arg* out) {
+    const Py_ssize_t want = (Py_ssize_t)strlen(kinds);
     if (n != want) {
         PyErr_Format(PyExc_TypeError, "expected %zd arguments, got %zd", want, n);
         return -1;
@@ -253,28 +254,28 @@ static int vr_unpack(PyObject* const* args, Py_ssize_t n, const char* kinds, Py_
 
 static PyObject* py_push_delta(PyObject* self, PyObject* const* args, Py_ssize_t n) {
     vr_arg a[4];
-    if (vr_unpack(args, n, "pipp", 4, a)) return NULL;
+    if (vr_unpack(args, n, "pipp", a)) return NULL;
     vr_push_delta(a[0].p, a[1].i, a[2].p, a[3].p);
     Py_RETURN_NONE;
 }
 
 static PyObject* py_route(PyObject* self, PyObject* const* args, Py_ssize_t n) {
     vr_arg a[9];
-    if (vr_unpack(args, n, "piiippppp", 9, a)) return NULL;
+    if (vr_unpack(args, n, "piiippppp", a)) return NULL;
     vr_route(a[0].p, a[1].i, a[2].i, (int)a[3].i, a[4].p, a[5].p, a[6].p, a[7].p, a[8].p);
     Py_RETURN_NONE;
 }
 
 static PyObject* py_push_route(PyObject* self, PyObject* const* args, Py_ssize_t n) {
     vr_arg a[11];
-    if (vr_unpack(args, n, "pippiippppp", 11, a)) return NULL;
+    if (vr_unpack(args, n, "pippiippppp", a)) return NULL;
     vr_push_route(a[0].p, a[1].i, a[2].p, a[3].p, a[4].i, (int)a[5].i, a[6].p, a[7].p, a[8].p, a[9].p, a[10].p);
     Py_RETURN_NONE;
 }
 
 static PyObject* py_push_route_whole(PyObject* self, PyObject* const* args, Py_ssize_t n) {
     vr_arg a[6];
-    if (vr_unpack(args, n, "pippip", 6, a)) return NULL;
+    if (vr_unpack(args, n, "pippip", a)) return NULL;
     vr_push_route_whole(a[0].p, a[1].i, a[2].p, a[3].p, a[4].i, a[5].p);
     Py_RETURN_NONE;
 }
