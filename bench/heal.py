@@ -1,10 +1,12 @@
-"""`python -m bench.heal VARIANT --removal 13 14 15 16 17 18`: train one static variant for a given removal, no searches.
+"""`python -m bench.heal VARIANT [--removal 13 14 15 16 17 18]`: train one variant, no searches.
 
 `make bench` (`python -m bench.run`) ranks blocks and searches removal orders before it trains, then measures every
-baseline after: minutes that a longer or larger healing run on a borrowed GPU cannot spare. This trains one static
-variant (`bench.variants.VARIANTS`) exactly as the bench does (`train_variant`: the wall-clock budget, its decay, the
-mixed training stream), on a removal order given by hand (e.g. the span the bench's search picked). Measure the
-adapter after with `python -m bench.measure RUNS/VARIANT/adapter` (the pruned release for a LoRA-healed one).
+baseline after: minutes that a longer or larger healing run on a borrowed GPU cannot spare, and it trains seed 0
+only. This trains one variant (`bench.variants.VARIANTS`) exactly as the bench does (`train_variant`: the wall-clock
+budget, its decay, the mixed training stream) with any `--seed`: a static one on a removal order given by hand (e.g.
+the span the bench's search picked), a per-token one (gates, recent weight) as it is. Measure the adapter after with
+`python -m bench.measure RUNS/VARIANT/adapter` (the pruned release for a LoRA-healed static one; `--policy gate` or
+`recent_weight` for a per-token one).
 """
 
 from __future__ import annotations
@@ -27,11 +29,11 @@ def build_parser() -> argparse.ArgumentParser:
     """The command line of `python -m bench.heal`; the training settings default to `make bench`'s."""
     parser = argparse.ArgumentParser(prog="python -m bench.heal", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    static = sorted(name for name, variant in VARIANTS.items() if variant.policy == "static")
-    parser.add_argument("variant", choices=static, help="a static variant of bench.run")
-    parser.add_argument("--removal", type=int, nargs="+", required=True,
-                        help="the decoder layers removed in training, in removal order (every step removes all of "
-                             "them: the variant's fixed removal)")
+    parser.add_argument("variant", choices=sorted(VARIANTS), help="a variant of bench.run")
+    parser.add_argument("--removal", type=int, nargs="+", default=None,
+                        help="a static variant's decoder layers removed in training, in removal order (every step "
+                             "removes all of them: the variant's fixed removal); required for a static variant, "
+                             "refused for a per-token one")
     parser.add_argument("--train-minutes", type=float, default=20.0, help="wall-clock budget; the rate decays over it")
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--lr-scale", type=float, default=1.0,
@@ -71,10 +73,16 @@ def main(argv: list[str] | None = None) -> int:
     variant = selected_variants([args.variant])[0]
     overrides = module_overrides(args.overrides)
     variant = dataclasses.replace(variant, module={**variant.module, **overrides})
-    if not variant.fixed_removal:
+    static = variant.policy == "static"
+    if static and not variant.fixed_removal:
         raise SystemExit(f"bench.heal: {args.variant} trains a removal schedule (prefixes of an order), not a fixed "
                          "removal; train it with `python -m bench.run --variants` instead")
-    if len(set(args.removal)) != len(args.removal):
+    if static and args.removal is None:
+        raise SystemExit(f"bench.heal: {args.variant} is a static variant: give the layers it removes (--removal)")
+    if not static and args.removal is not None:
+        raise SystemExit(f"bench.heal: {args.variant} skips per token ({variant.policy}) and removes no fixed layers; "
+                         "leave out --removal")
+    if static and len(set(args.removal)) != len(args.removal):
         raise SystemExit(f"bench.heal: --removal names a layer twice ({args.removal}); give each removed layer once")
     out = Path(args.runs) / variant.name
     if (out / "train_info.json").is_file():  # train_variant would silently reuse it
@@ -92,11 +100,12 @@ def main(argv: list[str] | None = None) -> int:
     manifest = write_bench_shards()
     backbone = str(build_real_vlm())
     shards = training_shards(manifest)
-    removal = {"removal_order": list(args.removal), "max_removed_blocks": len(args.removal),
-               "min_removed_blocks": len(args.removal)}
+    removal = ({"removal_order": list(args.removal), "max_removed_blocks": len(args.removal),
+                "min_removed_blocks": len(args.removal)} if static else {})
     precision, dtype = training_precision(args.device, args.train_precision)
-    print(f"[{time.time() - started:7.1f}s] training {variant.name} for {args.train_minutes} min, removal "
-          f"{args.removal}, batch {args.batch_size}, lr x{args.lr_scale}, {precision}", flush=True)
+    print(f"[{time.time() - started:7.1f}s] training {variant.name} for {args.train_minutes} min, "
+          f"{f'removal {args.removal}' if static else f'{variant.policy} policy'}, seed {args.seed}, "
+          f"batch {args.batch_size}, lr x{args.lr_scale}, {precision}", flush=True)
     info = train_variant(variant, backbone, shards, args.train_minutes, args.batch_size, removal=removal,
                          runs=Path(args.runs), device=args.device, dtype=dtype, precision=precision,
                          num_workers=args.num_workers, lr_scale=args.lr_scale, decay_over="budget", seed=args.seed,

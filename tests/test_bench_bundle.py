@@ -264,8 +264,10 @@ def test_heal_refuses_a_schedule_variant_and_a_trained_folder_before_loading_any
         heal.main(["lora_mlp_span_layer", "--removal", "13", "--set", "replacement_passes=8", "--runs", str(tmp_path)])
     with pytest.raises(SystemExit, match="names a layer twice"):
         heal.main(["lora_mlp_span", "--removal", "13", "13", "--runs", str(tmp_path / "other")])
-    with pytest.raises(SystemExit):  # not a static variant: argparse's choices refuse it
-        heal.main(["gate", "--removal", "13"])
+    with pytest.raises(SystemExit, match="gate skips per token .* leave out --removal"):
+        heal.main(["gate", "--removal", "13", "--runs", str(tmp_path)])
+    with pytest.raises(SystemExit, match="lora_mlp_span is a static variant: give the layers it removes"):
+        heal.main(["lora_mlp_span", "--runs", str(tmp_path / "other")])
 
 
 def test_heal_trains_the_variant_with_its_overrides_and_records_them(tmp_path, monkeypatch):
@@ -284,6 +286,11 @@ def test_heal_trains_the_variant_with_its_overrides_and_records_them(tmp_path, m
     assert settings["removal"] == {"removal_order": [14, 13], "max_removed_blocks": 2, "min_removed_blocks": 2}
     assert heal.main(["lora_mlp_span", "--removal", "13", "--runs", str(tmp_path)]) == 0
     assert calls[1][1]["recorded"] is None  # nothing overridden, nothing added
+    # A per-token variant trains as bench.run trains it (no removal), with the seed given.
+    assert heal.main(["gate_lora_candidates_b2", "--seed", "1", "--runs", str(tmp_path)]) == 0
+    variant, settings = calls[2]
+    assert variant == variants.VARIANTS["gate_lora_candidates_b2"]
+    assert settings["removal"] == {} and settings["seed"] == 1
 
 
 def test_heal_set_reads_json_values_and_text():
