@@ -179,9 +179,10 @@ VARIANTS = {
     # x1.443 against `gate` x1.967 in the sixteenth run).
     "gate_lora_candidates": Variant("gate_lora_candidates", "gate", {"block_size": 1, "skip_gate": True},
                                     {**GATES, "lora": GATE_LORA, "skip_candidates": 14, "compute_target": 0.8}),
-    # `gate_lora_candidates` in front of blocks of 2 layers: 15 routers instead of 30, so routing costs ~1.7 % of a
-    # batch-1 generate call instead of ~2.7 % (RESULTS.md, router overhead by block size); its 7 candidate blocks are
-    # 14 layers, as many as `gate_lora_candidates` skips among, but a token skips both layers of a block or neither.
+    # `gate_lora_candidates` in front of blocks of 2 layers: 15 routers instead of 30, so routing costs ~1.3-1.7 % of
+    # a batch-1 generate call instead of ~2.5-2.7 % (RESULTS.md, router overhead by block size); its 7 candidate
+    # blocks are 14 layers, as many as `gate_lora_candidates` skips among, but a token skips both layers of a block or
+    # neither.
     "gate_lora_candidates_b2": Variant("gate_lora_candidates_b2", "gate", {"block_size": 2, "skip_gate": True},
                                        {**GATES, "lora": GATE_LORA, "skip_candidates": 7, "compute_target": 0.8}),
     # `gate_lora_candidates` as trained before 2026-12-06: its compute target counted on every text position (the
