@@ -74,16 +74,18 @@ def main(argv: list[str] | None = None) -> int:
     overrides = module_overrides(args.overrides)
     variant = dataclasses.replace(variant, module={**variant.module, **overrides})
     static = variant.policy == "static"
-    if static and not variant.fixed_removal:
-        raise SystemExit(f"bench.heal: {args.variant} trains a removal schedule (prefixes of an order), not a fixed "
-                         "removal; train it with `python -m bench.run --variants` instead")
-    if static and args.removal is None:
-        raise SystemExit(f"bench.heal: {args.variant} is a static variant: give the layers it removes (--removal)")
-    if not static and args.removal is not None:
+    if static:
+        if not variant.fixed_removal:
+            raise SystemExit(f"bench.heal: {args.variant} trains a removal schedule (prefixes of an order), not a "
+                             "fixed removal; train it with `python -m bench.run --variants` instead")
+        if args.removal is None:
+            raise SystemExit(f"bench.heal: {args.variant} is a static variant: give the layers it removes (--removal)")
+        if len(set(args.removal)) != len(args.removal):
+            raise SystemExit(f"bench.heal: --removal names a layer twice ({args.removal}); give each removed layer "
+                             "once")
+    elif args.removal is not None:
         raise SystemExit(f"bench.heal: {args.variant} skips per token ({variant.policy}) and removes no fixed layers; "
                          "leave out --removal")
-    if static and len(set(args.removal)) != len(args.removal):
-        raise SystemExit(f"bench.heal: --removal names a layer twice ({args.removal}); give each removed layer once")
     out = Path(args.runs) / variant.name
     if (out / "train_info.json").is_file():  # train_variant would silently reuse it
         raise SystemExit(f"bench.heal: {out} already holds a trained adapter; delete the folder to retrain")
@@ -103,9 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     removal = ({"removal_order": list(args.removal), "max_removed_blocks": len(args.removal),
                 "min_removed_blocks": len(args.removal)} if static else {})
     precision, dtype = training_precision(args.device, args.train_precision)
-    print(f"[{time.time() - started:7.1f}s] training {variant.name} for {args.train_minutes} min, "
-          f"{f'removal {args.removal}' if static else f'{variant.policy} policy'}, seed {args.seed}, "
-          f"batch {args.batch_size}, lr x{args.lr_scale}, {precision}", flush=True)
+    trains = f"removal {args.removal}" if static else f"{variant.policy} policy"
+    print(f"[{time.time() - started:7.1f}s] training {variant.name} for {args.train_minutes} min, {trains}, seed "
+          f"{args.seed}, batch {args.batch_size}, lr x{args.lr_scale}, {precision}", flush=True)
     info = train_variant(variant, backbone, shards, args.train_minutes, args.batch_size, removal=removal,
                          runs=Path(args.runs), device=args.device, dtype=dtype, precision=precision,
                          num_workers=args.num_workers, lr_scale=args.lr_scale, decay_over="budget", seed=args.seed,
