@@ -185,6 +185,14 @@ VARIANTS = {
     # neither.
     "gate_lora_candidates_b2": Variant("gate_lora_candidates_b2", "gate", {"block_size": 2, "skip_gate": True},
                                        {**GATES, "lora": GATE_LORA, "skip_candidates": 7, "compute_target": 0.8}),
+    # `gate_lora_candidates_b2` with the static healing's LoRA capacity (r 16 on every projection, attention and MLP)
+    # instead of r 8 on q/v: a static removal healed far further once its LoRA reached the MLP. Rejected (seed 0, one
+    # build, val, beside r 8 trained on the same build): x1.335 / x1.413 / x1.586 / x1.778 at 0 / 10 / 20 / 30 %
+    # against x1.028 / x1.129 / x1.363 / x1.618, at the static healing's rates (lr 2e-3, B x4) x1.135 / x1.209 /
+    # x1.417 / x1.613: with skipping off it already reads caption KL 0.40-0.47 against 0.20 (HISTORY.md, "LoRA on
+    # every projection beside the gates").
+    "gate_lora_mlp_candidates_b2": Variant("gate_lora_mlp_candidates_b2", "gate", {"block_size": 2, "skip_gate": True},
+                                           {**GATES, "lora": LORA_ALL, "skip_candidates": 7, "compute_target": 0.8}),
     # `gate_lora_candidates` as trained before 2026-12-06: its compute target counted on every text position (the
     # adapters trained then, without the key in their recipe, are stale for it).
     "gate_lora_candidates_text": Variant("gate_lora_candidates_text", "gate", {"block_size": 1, "skip_gate": True},
