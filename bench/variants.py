@@ -73,6 +73,9 @@ GATES_ON_TEXT = {**TEXT_KL, "use_gates": True, "max_drop_rate": 0.1, "compute_ta
 # val, both calibrated on the answer tokens; HISTORY.md, "Per-token compute counted on the answer tokens"):
 # agreement 0.743 / KL 0.342 at 19.7 % of the decode's block FLOPs saved, against 0.706 / 0.422 trained on text.
 GATES = {**GATES_ON_TEXT, "compute_counted_on": "response"}
+# The gates in front of blocks of 2 layers on the 7 blocks cheapest to remove (14 layers), at the 20 % point's
+# compute target: the `gate_lora_candidates_b2` recipe without its LoRA.
+B2_CANDIDATE_GATES = {**GATES, "skip_candidates": 7, "compute_target": 0.8}
 VARIANTS = {
     # Routers trained under a removal schedule (a random prefix of the removal order skipped by every token),
     # evaluated with the static policy removing a prefix of that same order: the routers re-weight around the gap.
@@ -184,7 +187,7 @@ VARIANTS = {
     # blocks are 14 layers, as many as `gate_lora_candidates` skips among, but a token skips both layers of a block or
     # neither.
     "gate_lora_candidates_b2": Variant("gate_lora_candidates_b2", "gate", {"block_size": 2, "skip_gate": True},
-                                       {**GATES, "lora": GATE_LORA, "skip_candidates": 7, "compute_target": 0.8}),
+                                       {**B2_CANDIDATE_GATES, "lora": GATE_LORA}),
     # `gate_lora_candidates_b2` with the static healing's LoRA capacity (r 16 on every projection, attention and MLP)
     # instead of r 8 on q/v: a static removal healed far further once its LoRA reached the MLP. Rejected (seed 0, one
     # build, val, beside r 8 trained on the same build): x1.335 / x1.413 / x1.586 / x1.778 at 0 / 10 / 20 / 30 %
@@ -192,7 +195,7 @@ VARIANTS = {
     # x1.417 / x1.613: with skipping off it already reads caption KL 0.40-0.47 against 0.20 (HISTORY.md, "LoRA on
     # every projection beside the gates").
     "gate_lora_mlp_candidates_b2": Variant("gate_lora_mlp_candidates_b2", "gate", {"block_size": 2, "skip_gate": True},
-                                           {**GATES, "lora": LORA_ALL, "skip_candidates": 7, "compute_target": 0.8}),
+                                           {**B2_CANDIDATE_GATES, "lora": LORA_ALL}),
     # `gate_lora_candidates` as trained before 2026-12-06: its compute target counted on every text position (the
     # adapters trained then, without the key in their recipe, are stale for it).
     "gate_lora_candidates_text": Variant("gate_lora_candidates_text", "gate", {"block_size": 1, "skip_gate": True},
