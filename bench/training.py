@@ -201,8 +201,10 @@ def train_variant(variant: Variant, backbone: str, shards: dict[str, Any], minut
         def on_train_batch_end(self, trainer, *args):
             sync()
             timings.append(time.perf_counter() - self.start)
-            kl = trainer.callback_metrics.get("train/kl")
-            kl_curve.append(float(kl) if kl is not None else float("nan"))
+            metrics = trainer.callback_metrics
+            if not float(metrics.get("train/dense_step", 0.0)):  # a dense step leaves train/kl as it was
+                kl = metrics.get("train/kl")
+                kl_curve.append(float(kl) if kl is not None else float("nan"))
 
     by_budget = bool(variant.steps) and decay_over == "budget"
     budget = BudgetDecay(minutes * 60, sync) if by_budget else BudgetStop(minutes * 60, sync)

@@ -196,6 +196,14 @@ VARIANTS = {
     # every projection beside the gates").
     "gate_lora_mlp_candidates_b2": Variant("gate_lora_mlp_candidates_b2", "gate", {"block_size": 2, "skip_gate": True},
                                            {**B2_CANDIDATE_GATES, "lora": LORA_ALL}),
+    # `gate_lora_candidates_b2` with a quarter of its steps run whole (`dense_step_fraction`): trained under skips
+    # only, the recipe's routers and LoRA drift from the base with skipping off (val caption KL 0.20-0.34 at 0 %
+    # saved). Not adopted (seeds 0 and 1 beside the recipe, val): lower caption KL with skipping off and at 30 %,
+    # agreement and ROUGE-L level or higher at 20 %, but Austen perplexity x1.395 / x1.341 at 20 % against x1.363 /
+    # x1.280 (HISTORY.md, "Keeping the unskipped model near the base").
+    "gate_lora_candidates_b2_dense": Variant("gate_lora_candidates_b2_dense", "gate",
+                                             {"block_size": 2, "skip_gate": True},
+                                             {**B2_CANDIDATE_GATES, "lora": GATE_LORA, "dense_step_fraction": 0.25}),
     # `gate_lora_candidates` as trained before 2026-12-06: its compute target counted on every text position (the
     # adapters trained then, without the key in their recipe, are stale for it).
     "gate_lora_candidates_text": Variant("gate_lora_candidates_text", "gate", {"block_size": 1, "skip_gate": True},

@@ -355,6 +355,44 @@ def test_few_steps_train_only_the_routers_and_log_everything():
     assert 0 < last["train/lr"] <= 1e-2 and last["train/router_entropy"] > 0
 
 
+def test_dense_steps_run_every_block_without_the_penalty_and_train_routers_and_lora_toward_the_base():
+    module = RetrofitModule(backbone="tiny:llama", router={"skip_gate": True}, compute_target=0.6, max_drop_rate=0.3,
+                            lora={"r": 2, "lora_alpha": 4, "target_modules": ["q_proj", "v_proj"]})
+    _randomise_routers(module.adapter)  # a routed model that has drifted from the base with skipping off
+    batch = _batch("llama")
+    skipping = module.compute_loss(batch, drop_rate=0.3, seed=3)
+    assert skipping.realised_compute < 1.0 and skipping.penalty > 0
+    dense = module.compute_loss(batch, drop_rate=0.3, seed=3, dense=True)
+    assert dense.realised_compute == 1.0 and dense.penalty == 0 and not dense.keeps_sampled
+    assert dense.kl > 1e-4  # the drift with skipping off is what these steps train away
+    dense.loss.backward()
+    assert all(r.query.grad is not None and r.query.grad.abs().max() > 0 for r in module.adapter.routers.values())
+    assert all(g.query.grad is None for g in module.adapter.gates.values())  # no gate is sampled
+    assert any(p.grad is not None and p.grad.abs().max() > 0 for n, p in module.named_parameters() if "lora_" in n)
+
+
+def test_dense_steps_are_drawn_per_step_at_their_fraction_and_logged_apart():
+    assert not any(RetrofitModule(backbone="tiny:llama").is_dense_step(seed) for seed in range(50))
+    module = RetrofitModule(backbone="tiny:qwen2_vl", max_drop_rate=0.5, drop_warmup_steps=0, dense_step_fraction=0.5)
+    draws = [module.is_dense_step(seed) for seed in range(400)]
+    assert draws == [module.is_dense_step(seed) for seed in range(400)]  # a resumed run draws the same steps
+    assert 0.4 < sum(draws) / len(draws) < 0.6
+    logged = []
+
+    class Capture(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            logged.append({k: float(v) for k, v in trainer.callback_metrics.items()})
+
+    dm = FixedBatchDataModule(processor="tiny:qwen2_vl", num_batches=8, val_batches=0, batch_size=2)
+    _trainer(8, callbacks=[Capture()]).fit(module, dm)
+    flags = [entry["train/dense_step"] for entry in logged]
+    expected = [float(module.is_dense_step(module._step_seed(step, 0))) for step in range(8)]
+    assert flags == expected and 0 < sum(flags) < 8
+    for entry, previous in zip(logged[1:], logged):
+        if entry["train/dense_step"]:  # the skipping steps' KL is not overwritten by a dense step's
+            assert entry["train/kl"] == previous.get("train/kl", entry["train/kl"]) and "train/kl_dense" in entry
+
+
 def test_optimizer_covers_trainable_parameters_only():
     module = RetrofitModule(backbone="tiny:llama", router={"skip_gate": True}, weight_decay=0.1,
                             lora={"r": 2, "lora_alpha": 4, "target_modules": ["q_proj", "v_proj"]})
@@ -450,8 +488,8 @@ class _NaNAt(RetrofitModule):
 
     nan_steps: set | None = set()
 
-    def compute_loss(self, batch, *, drop_rate, seed):
-        out = super().compute_loss(batch, drop_rate=drop_rate, seed=seed)
+    def compute_loss(self, batch, **kw):
+        out = super().compute_loss(batch, **kw)
         if self.nan_steps is None or self.global_step in self.nan_steps:
             out.loss = out.loss * float("nan")
         return out
@@ -575,6 +613,9 @@ def test_save_adapter_replaces_the_folder_whole(tmp_path):
     ({"router": {"skip_gate": False}, "max_drop_rate": 0.0}, "nothing makes the routers learn"),
     ({"router": {"block_size": 4}, "backbone_kwargs": {"num_hidden_layers": 6}}, r"no block may skip: .* \[0, 4\]"),
     ({"compute_target": 0.3, "router": {"skip_gate": True}}, r"compute_target 0.3 is below what always runs: 0.500"),
+    ({"dense_step_fraction": 1.0}, r"dense_step_fraction must be in \[0, 1\), got 1.0"),
+    ({"dense_step_fraction": 0.2, "train_routers": False, "lora": {"r": 2, "target_modules": ["q_proj"]},
+      "removal_order": [1], "max_removed_blocks": 1, "max_drop_rate": 0.0}, "with train_routers: false the student"),
     ({"compute_target": 0.7, "router": {"skip_gate": True}, "skip_candidates": [1],
       "backbone_kwargs": {"num_hidden_layers": 6}}, r"below what always runs: 0.833 .*blocks \[0, 2, 3, 4, 5\] never skip"),
 ])

@@ -119,6 +119,7 @@ class RetrofitModule(pl.LightningModule):
         compute_weight: float = 10.0,
         compute_penalty: Literal["hinge", "squared"] = "squared",
         compute_counted_on: Literal["text", "response"] = "response",
+        dense_step_fraction: float = 0.0,
         optimizer: str = "AdamW",
         lr: float = 1e-2,
         query_lr_scale: float = 1.0,
@@ -236,6 +237,10 @@ class RetrofitModule(pl.LightningModule):
                 calibrated to 20 % of the text positions skipped 4 % of the answer positions' layer executions.
                 Saved with the adapter; `calibrate` counts there too by default. A batch marking no answer
                 tokens counts every position. (Runs before 2026-12-06 counted on text.)
+            dense_step_fraction: fraction of training steps (drawn per step from `seed`) whose student runs every
+                block: no simulated skipping, no removal, no compute penalty; its KL pulls the routers and the
+                LoRA toward the base with skipping off, which training under skips alone lets drift (logged as
+                `train/kl_dense`, not `train/kl`). Needs `train_routers`. 0 = every step skips.
             optimizer: `torch.optim` class name (or dotted path) used on the trainable parameters only.
             lr: peak learning rate.
             query_lr_scale: learning-rate multiplier of the router and gate pseudo-queries. An Adam step moves
@@ -307,6 +312,11 @@ class RetrofitModule(pl.LightningModule):
             raise InputError(f"temperature must be > 0, got {temperature}")
         if hidden_weight < 0:
             raise InputError(f"hidden_weight must be >= 0, got {hidden_weight}")
+        if not 0.0 <= dense_step_fraction < 1.0:
+            raise InputError(f"dense_step_fraction must be in [0, 1), got {dense_step_fraction}")
+        if dense_step_fraction and not train_routers:
+            raise InputError("dense_step_fraction trains the routed model with skipping off; with train_routers: "
+                             "false the student run whole is the teacher (set dense_step_fraction: 0)")
         if hidden_weight and train_routers:
             raise InputError("hidden_weight matches the hidden states of a student with layers removed to the "
                              "teacher's: it needs train_routers: false (LoRA healing of removed blocks)")
@@ -610,6 +620,13 @@ class RetrofitModule(pl.LightningModule):
             k = k_min + int(torch.multinomial(torch.tensor(weights, dtype=torch.float64), 1, generator=generator))
         return list(order[:k])
 
+    def is_dense_step(self, seed: int) -> bool:
+        """Whether the training step drawing masks from `seed` runs the student whole (`dense_step_fraction`)."""
+        fraction = float(self.hparams.dense_step_fraction)
+        if not fraction:
+            return False
+        return float(torch.rand((), generator=torch.Generator().manual_seed(seed + 2))) < fraction
+
     def current_drop_rate(self) -> float:
         return drop_rate_at(self.global_step, self.hparams.max_drop_rate, self.hparams.drop_warmup_steps)
 
@@ -735,14 +752,15 @@ class RetrofitModule(pl.LightningModule):
         return [(j + 1, layer + 1) for j, layer in enumerate(kept) if layer > first]
 
     def compute_loss(self, batch: Mapping[str, Any], *, drop_rate: float, seed: int,
-                     largest_removal: bool = False) -> StepOutput:
+                     largest_removal: bool = False, dense: bool = False) -> StepOutput:
         """Teacher and student forwards on `batch`; the student under simulated skipping at `drop_rate` (and
-        the removal schedule's blocks: a random prefix, or with `largest_removal` the longest)."""
+        the removal schedule's blocks: a random prefix, or with `largest_removal` the longest); with `dense`
+        it runs every block, and there is no compute penalty."""
         self._ensure_removal_order(batch)
         self._ensure_skip_candidates(batch)
         inputs, mask = self.model_inputs(batch)
         rows = mask if self.hparams.select_logits else None  # logits [N, V] at the positions the KL reads
-        removed = self.removed_blocks(seed, largest=largest_removal)
+        removed = [] if dense else self.removed_blocks(seed, largest=largest_removal)
         layout = self.adapter.layout
         removed_layers = [] if self.hparams.train_routers else layout.layers_of_blocks(removed)
         shared = self.shared_prefix_layers(removed_layers)
@@ -762,7 +780,7 @@ class RetrofitModule(pl.LightningModule):
             # only): padding and image placeholders do not count.
             counted = (batch["loss_mask"].bool() if self.hparams.compute_counted_on == "response"
                        else scored_positions(self.adapter, inputs, inputs["input_ids"].shape))
-            sim = self.simulation(drop_rate, seed, removed, counted)
+            sim = None if dense else self.simulation(drop_rate, seed, removed, counted)
             with sim if sim is not None else contextlib.nullcontext():
                 student = self._forward(inputs, rows)
         kl = distillation_kl(student.logits, teacher.logits, None if rows is not None else mask,
@@ -784,8 +802,8 @@ class RetrofitModule(pl.LightningModule):
         ran_layers += sum(realised_keep.get(b, 1.0) * len(layout.layers_of_block(b)) for b in skippable)
         if sim is None:  # nothing sampled: what is removed is exactly what does not run
             expected_compute = kl.new_tensor(ran_layers / layout.num_layers)
-        penalty = compute_penalty(expected_compute, self.hparams.compute_target, self.hparams.compute_weight,
-                                  self.hparams.compute_penalty).to(kl.device)
+        penalty = compute_penalty(expected_compute, None if dense else self.hparams.compute_target,
+                                  self.hparams.compute_weight, self.hparams.compute_penalty).to(kl.device)
         entropy = {k: float(v) for k, v in routing_entropies(
             self.adapter.last_routing_weights if self.hparams.train_routers else {}, inputs.get("attention_mask")).items()}
         loss = kl + penalty if hidden is None else kl + penalty + float(self.hparams.hidden_weight) * hidden
@@ -835,7 +853,9 @@ class RetrofitModule(pl.LightningModule):
     # ------------------------------------------------------------------ Lightning hooks
     def training_step(self, batch: Mapping[str, Any], batch_idx: int) -> Tensor | None:
         drop_rate = self.current_drop_rate()
-        out = self.compute_loss(batch, drop_rate=drop_rate, seed=self._step_seed(self._micro_batch(batch_idx), 0))
+        seed = self._step_seed(self._micro_batch(batch_idx), 0)
+        dense = self.is_dense_step(seed)
+        out = self.compute_loss(batch, drop_rate=drop_rate, seed=seed, dense=dense)
         finite = bool(torch.isfinite(out.loss.detach()).item())
         if self._trainer is not None:
             finite = self.trainer.strategy.reduce_boolean_decision(finite, all=True)  # every rank skips together
@@ -843,8 +863,15 @@ class RetrofitModule(pl.LightningModule):
             return self._skip_nonfinite(out)
         self.nonfinite_streak = 0
         lr = self._current_lr()
-        self._log_step("train", out, on_step=True,
-                       extra={"drop_rate": drop_rate, "lr": lr, "nonfinite_steps": float(self.nonfinite_steps)})
+        extra = {"drop_rate": drop_rate, "lr": lr, "nonfinite_steps": float(self.nonfinite_steps)}
+        if self.hparams.dense_step_fraction:
+            extra["dense_step"] = float(dense)
+        if dense:  # train/kl and the compute metrics stay those of the steps that skip
+            extra["kl_dense"] = float(out.kl.detach())
+            for key, value in extra.items():
+                self.log(f"train/{key}", value, on_step=True, on_epoch=False, batch_size=max(1, out.batch_size))
+        else:
+            self._log_step("train", out, on_step=True, extra=extra)
         if self._trainer is not None and self.trainer.world_size > 1:
             return out.loss + self._zero_for_unused_parameters(out.loss)
         return out.loss
