@@ -76,6 +76,7 @@ GATES = {**GATES_ON_TEXT, "compute_counted_on": "response"}
 # The gates in front of blocks of 2 layers on the 7 blocks cheapest to remove (14 layers), at the 20 % point's
 # compute target: the `gate_lora_candidates_b2` recipe without its LoRA.
 B2_CANDIDATE_GATES = {**GATES, "skip_candidates": 7, "compute_target": 0.8}
+B2_GATE_ROUTER = {"block_size": 2, "skip_gate": True}
 VARIANTS = {
     # Routers trained under a removal schedule (a random prefix of the removal order skipped by every token),
     # evaluated with the static policy removing a prefix of that same order: the routers re-weight around the gap.
@@ -186,7 +187,7 @@ VARIANTS = {
     # a batch-1 generate call instead of ~2.5-2.7 % (RESULTS.md, router overhead by block size); its 7 candidate
     # blocks are 14 layers, as many as `gate_lora_candidates` skips among, but a token skips both layers of a block or
     # neither.
-    "gate_lora_candidates_b2": Variant("gate_lora_candidates_b2", "gate", {"block_size": 2, "skip_gate": True},
+    "gate_lora_candidates_b2": Variant("gate_lora_candidates_b2", "gate", B2_GATE_ROUTER,
                                        {**B2_CANDIDATE_GATES, "lora": GATE_LORA}),
     # `gate_lora_candidates_b2` with the static healing's LoRA capacity (r 16 on every projection, attention and MLP)
     # instead of r 8 on q/v: a static removal healed far further once its LoRA reached the MLP. Rejected (seed 0, one
@@ -194,15 +195,14 @@ VARIANTS = {
     # against x1.028 / x1.129 / x1.363 / x1.618, at the static healing's rates (lr 2e-3, B x4) x1.135 / x1.209 /
     # x1.417 / x1.613: with skipping off it already reads caption KL 0.40-0.47 against 0.20 (HISTORY.md, "LoRA on
     # every projection beside the gates").
-    "gate_lora_mlp_candidates_b2": Variant("gate_lora_mlp_candidates_b2", "gate", {"block_size": 2, "skip_gate": True},
+    "gate_lora_mlp_candidates_b2": Variant("gate_lora_mlp_candidates_b2", "gate", B2_GATE_ROUTER,
                                            {**B2_CANDIDATE_GATES, "lora": LORA_ALL}),
     # `gate_lora_candidates_b2` with a quarter of its steps run whole (`dense_step_fraction`): trained under skips
     # only, the recipe's routers and LoRA drift from the base with skipping off (val caption KL 0.20-0.34 at 0 %
     # saved). Not adopted (seeds 0 and 1 beside the recipe, val): lower caption KL with skipping off and at 30 %,
     # agreement and ROUGE-L level or higher at 20 %, but Austen perplexity x1.395 / x1.341 at 20 % against x1.363 /
     # x1.280 (HISTORY.md, "Keeping the unskipped model near the base").
-    "gate_lora_candidates_b2_dense": Variant("gate_lora_candidates_b2_dense", "gate",
-                                             {"block_size": 2, "skip_gate": True},
+    "gate_lora_candidates_b2_dense": Variant("gate_lora_candidates_b2_dense", "gate", B2_GATE_ROUTER,
                                              {**B2_CANDIDATE_GATES, "lora": GATE_LORA, "dense_step_fraction": 0.25}),
     # `gate_lora_candidates` as trained before 2026-12-06: its compute target counted on every text position (the
     # adapters trained then, without the key in their recipe, are stale for it).

@@ -625,6 +625,7 @@ class RetrofitModule(pl.LightningModule):
         fraction = float(self.hparams.dense_step_fraction)
         if not fraction:
             return False
+        # seed: the skip masks; seed + 1: the removal count (`removed_blocks`)
         return float(torch.rand((), generator=torch.Generator().manual_seed(seed + 2))) < fraction
 
     def current_drop_rate(self) -> float:
@@ -813,9 +814,16 @@ class RetrofitModule(pl.LightningModule):
                           batch_size=int(mask.shape[0]), keeps_sampled=sim is not None)
 
     # ------------------------------------------------------------------ logging
-    def _log_step(self, prefix: str, out: StepOutput, on_step: bool, extra: dict[str, float] | None = None) -> None:
+    def _log_step(self, prefix: str, out: StepOutput, on_step: bool, extra: dict[str, Any] | None = None,
+                  extra_only: bool = False) -> None:
+        """Log `out`'s loss, KL, compute and routing metrics and `extra` under `prefix/`; `extra_only`: `extra`
+        alone (a dense step, whose metrics would overwrite those of the steps that skip)."""
         sync = not on_step
         kw = dict(on_step=on_step, on_epoch=not on_step, batch_size=max(1, out.batch_size), sync_dist=sync)
+        for key, value in (extra or {}).items():
+            self.log(f"{prefix}/{key}", value, **kw)
+        if extra_only:
+            return
         self.log(f"{prefix}/loss", out.loss.detach(), prog_bar=True, **kw)
         self.log(f"{prefix}/kl", out.kl.detach(), prog_bar=prefix != "train", **kw)
         self.log(f"{prefix}/penalty", out.penalty.detach(), **kw)
@@ -838,8 +846,6 @@ class RetrofitModule(pl.LightningModule):
                 self.log(f"{prefix}/keep_realised/b{block}", value, **kw)
             for key, value in out.entropy.items():
                 self.log(f"{prefix}/router_entropy/{key}", value, **kw)
-        for key, value in (extra or {}).items():
-            self.log(f"{prefix}/{key}", value, **kw)
 
     def _current_lr(self) -> float:
         try:
@@ -867,11 +873,8 @@ class RetrofitModule(pl.LightningModule):
         if self.hparams.dense_step_fraction:
             extra["dense_step"] = float(dense)
         if dense:  # train/kl and the compute metrics stay those of the steps that skip
-            extra["kl_dense"] = float(out.kl.detach())
-            for key, value in extra.items():
-                self.log(f"train/{key}", value, on_step=True, on_epoch=False, batch_size=max(1, out.batch_size))
-        else:
-            self._log_step("train", out, on_step=True, extra=extra)
+            extra["kl_dense"] = out.kl.detach()
+        self._log_step("train", out, on_step=True, extra=extra, extra_only=dense)
         if self._trainer is not None and self.trainer.world_size > 1:
             return out.loss + self._zero_for_unused_parameters(out.loss)
         return out.loss
