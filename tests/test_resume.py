@@ -510,3 +510,10 @@ def test_a_checkpoint_file_brings_its_data_settings_where_none_are_given(tmp_pat
     assert f"the model settings come from {checkpoint}" in capsys.readouterr().err
     assert config["data"]["class_path"].endswith("WebDatasetDataModule")
     assert config["data"]["init_args"]["batch_size"] == 1
+
+
+def test_a_run_with_stand_ins_resumes_with_the_checkpoints_stand_ins_not_a_new_fit(tmp_path, count_steps):
+    _stopped_at_half_an_epoch_resumes_like_straight(tmp_path, count_steps, "--model.router.skip_stand_in", "true",
+                                                    "--model.stand_in_batches", "2")
+    saved = _routers(tmp_path / "stopped" / "checkpoints" / "last.ckpt")
+    assert any(k.startswith("adapter.stand_ins.") for k in saved)

@@ -21,6 +21,7 @@ from . import entry
 from .config import BlockLayout, RouterConfig
 from .native import StreamBuffers
 from .router import DepthRouter, SkipGate
+from .stand_in import StandIn
 from .stream import SourceStack, StreamState
 
 ADAPTER_TYPE = "vlm_retrofit.attnres_router"
@@ -74,6 +75,12 @@ class RouterAdapter(nn.Module):
             {str(n): SkipGate(hidden_size, init_bias=config.gate_init_bias, device=device)
              for n in self.layout.skippable_blocks} if config.skip_gate else {}
         )
+        self.stand_ins = nn.ModuleDict(
+            {str(layer): StandIn(hidden_size, device=device)
+             for layer in self.layout.layers_of_blocks(self.layout.skippable_blocks)} if config.skip_stand_in else {}
+        )
+        """Per decoder layer of the skippable blocks (key `str(layer)`), what a token skipping it adds instead
+        (`RouterConfig.skip_stand_in`); empty without stand-ins."""
         # Plain attributes (not submodules): the adapter must not own or save the backbone.
         self.__dict__["_model_ref"] = weakref.ref(model)
         self._entries: list[weakref.ref[nn.Module]] = []

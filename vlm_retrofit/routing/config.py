@@ -30,6 +30,11 @@ class RouterConfig:
     """Add a learned skip gate per skippable block, `p = sigmoid(g . RMSNorm(x) + c)`, p = probability it runs."""
     gate_init_bias: float = 3.0
     """Initial gate bias c: sigmoid(3) = 0.95, so gates start out running almost every block."""
+    skip_stand_in: bool = False
+    """Give every layer of each skippable block a stand-in: a token that skips the layer gets `h + RMSNorm(h) W + b`
+    instead of `h` (a d x d map per layer, zero at init, fitted to the layer by least squares when training starts;
+    `routing.stand_in`). A skipped block's delta then stays present for later routers. Costs one d x d product per
+    skipped token, counted in the executed FLOPs."""
     init_scale: float = 0.0
     """Std of the pseudo-query init. 0 keeps the adapter an exact identity at init (invariant 1)."""
 

@@ -87,6 +87,9 @@ class SkipController:
       `mlp_attr`, position-wise) runs on the running tokens only: the skipping ones' outputs are discarded, and
       attention writes their K/V from the layer's input as the kv-only path does.
     A skipped block's delta is *absent* for that token in later routers (masked, not a zero source).
+    With stand-ins (`RouterConfig.skip_stand_in`) a skipping token gets its layers' stand-ins instead of their input
+    (`where(skip, stand_in(input), layer(input))` in every path above) and the block's delta stays present: the
+    stand-ins wrote it. Their matrix products count in the executed FLOPs.
     """
 
     mode = "select"
@@ -118,6 +121,11 @@ class SkipController:
         self._none_ran: set[int] = set()
         """Blocks that every token skips in this forward (their delta is dropped from the stream)."""
         self.cacheless_blocks = self._cacheless_blocks(adapter, policy)
+        self._stand_ins = {int(layer): module for layer, module in adapter.stand_ins.items()}
+        """Decoder layer index -> its stand-in (`RouterConfig.skip_stand_in`); empty without them."""
+        self.stand_in_blocks = frozenset(b for b in self.skippable
+                                         if all(i in self._stand_ins for i in self.layout.layers_of_block(b)))
+        """Skippable blocks whose layers all have stand-ins: a token skipping them still writes a delta."""
         """Blocks no token runs while this context lasts: identity with no cache write at all."""
         self._context_length = 0
         """Tokens already in the cache when the current forward began."""
@@ -351,11 +359,15 @@ class SkipController:
         return frozenset(i for b in self.cacheless_blocks for i in self.layout.layers_of_block(b))
 
     def bypasses(self, block: int) -> bool:
-        """True when no token runs `block` and it writes no cache: the adapter does not even route its input."""
-        return block in self.cacheless_blocks
+        """True when no token runs `block` and it writes no cache: the adapter does not even route its input (a
+        block with stand-ins needs it: they compute from it)."""
+        return block in self.cacheless_blocks and block not in self.stand_in_blocks
 
     def ran(self, block: int) -> Tensor | bool | None:
-        """Bool [B, T] run mask of `block` in this forward (None: every token ran it; False: none did)."""
+        """Bool [B, T] mask of the tokens whose delta of `block` is present in this forward (None: every token's;
+        False: none): those that ran it, or every token where its stand-ins wrote the skipping tokens' delta."""
+        if block in self.stand_in_blocks:
+            return None
         if block in self._none_ran:
             return False
         skip = self._skip.get(block)
@@ -388,40 +400,53 @@ class SkipController:
         cost = self.costs[index]
         full = cost.full(batch, new_tokens, past + new_tokens)
         if block in self.cacheless_blocks:
+            skipped, stand_in_flops = self._skipped_output(index, hidden)
             if not getattr(cache, "offloading", False):
                 _mark_cacheless(cache, parts.attention.layer_idx)
-                self.report.record_layer("skipped", 0, full, is_prefill)
-                return hidden
+                self.report.record_layer("skipped", stand_in_flops, full, is_prefill)
+                return skipped
             # An offloading cache prefetches layer i + 1 when layer i writes: every layer keeps writing.
             kv_only(layer, parts, hidden, kwargs)
-            self.report.record_layer("kv_only", cost.kv_only(batch, new_tokens), full, is_prefill)
+            self.report.record_layer("kv_only", cost.kv_only(batch, new_tokens) + stand_in_flops, full, is_prefill)
             self.report.kv_only_layers.add(index)
-            return hidden
+            return skipped
         if skip is None:
             self.report.record_layer("full", full, full, is_prefill)
             return original(*args, **kwargs)
         if self.kv_only_when_all_skip and block in self._none_ran:  # every token skips: kv-only, nothing else
             kv_only(layer, parts, hidden, kwargs)
+            skipped, stand_in_flops = self._skipped_output(index, hidden)
             kind = "kv_only" if cache is not None else "skipped"
             executed = cost.kv_only(batch, new_tokens) if cache is not None else 0
-            self.report.record_layer(kind, executed, full, is_prefill)
+            self.report.record_layer(kind, executed + stand_in_flops, full, is_prefill)
             if cache is not None:
                 self.report.kv_only_layers.add(index)
-            return hidden
+            return skipped
+        skipped, stand_in_flops = self._skipped_output(index, hidden)  # over every row, as the select reads them
         mlp_flops = self._mlp_flops.get(index)
         if mlp_flops is None:
-            self.report.record_layer("mixed", full, full, is_prefill)
-            return _map_output(original(*args, **kwargs), lambda out: self._combine(block, hidden, out, skip))
+            self.report.record_layer("mixed", full + stand_in_flops, full, is_prefill)
+            return _map_output(original(*args, **kwargs), lambda out: self._combine(block, skipped, out, skip))
         self._mlp_rows, self._mlp_spared = ~skip, 0
         try:
             output = original(*args, **kwargs)
         finally:
             self._mlp_rows = None
-        self.report.record_layer("mixed", full - self._mlp_spared * mlp_flops, full, is_prefill)
-        return _map_output(output, lambda out: self._combine(block, hidden, out, skip))
+        self.report.record_layer("mixed", full - self._mlp_spared * mlp_flops + stand_in_flops, full, is_prefill)
+        return _map_output(output, lambda out: self._combine(block, skipped, out, skip))
 
-    def _combine(self, block: int, hidden: Tensor, out: Tensor, skip: Tensor) -> Tensor:
-        return torch.where(skip[..., None], hidden, out)
+    def _skipped_output(self, index: int, hidden: Tensor) -> tuple[Tensor, int]:
+        """What a token skipping layer `index` leaves in the stream (its input `hidden`, or its stand-in's output
+        from it), and the FLOPs that took over `hidden`'s rows."""
+        stand_in = self._stand_ins.get(index)
+        if stand_in is None:
+            return hidden, 0
+        return (stand_in(hidden, self.adapter.config.key_norm_eps),
+                stand_in.flops_per_token() * hidden.shape[0] * hidden.shape[1])
+
+    def _combine(self, block: int, skipped: Tensor, out: Tensor, skip: Tensor) -> Tensor:
+        """The layer's output where a token runs it, `skipped` (`_skipped_output`) where it skips."""
+        return torch.where(skip[..., None], skipped, out)
 
 
 def rows_only(mlp_forward: Callable[..., Any], run: Tensor, args: tuple, kwargs: dict) -> tuple[Any, int]:

@@ -17,8 +17,9 @@ class SkipSimulation(SkipController):
     A token runs block n when its gate sample says so (if `use_gates` and the adapter has gates) and the
     drop-rate draw does not drop it. The layer output is `input + m * (layer(input) - input)` with m the
     0/1 run decision: in value exactly `where(skip, input, layer(input))`, the function cached inference
-    uses (invariant 2). With gates, `m = hard + p - p.detach()` carries the straight-through gradient to
-    the gate; the skipped block's delta is absent from later routers just as at inference.
+    uses (invariant 2); with stand-ins, `stand_in(input)` in place of `input` there, as at inference. With gates,
+    `m = hard + p - p.detach()` carries the straight-through gradient to the gate; the skipped block's delta is
+    absent from later routers just as at inference (present, the stand-ins', where it has them).
     `removed_blocks` are skipped by every token in this forward (a removal schedule: the routers learn to
     re-weight around blocks a static policy will remove at inference); under a `budget` they use that much of it.
     `counted_positions` (bool [B, T], e.g. the real text positions) are the tokens whose compute the expected and
@@ -90,7 +91,8 @@ class SkipSimulation(SkipController):
             self.expected_keep[block] = torch.zeros((), device=routed.device)
             self.realised_keep[block] = 0.0
             # Its delta is dropped from the stream, as at inference, and its layer runs nothing: the multiplier
-            # is 0 with no gate behind it, so the output would carry neither value nor gradient.
+            # is 0 with no gate behind it, so the output would carry neither value nor gradient. (With stand-ins
+            # they run in its place and their delta stays: `bypasses`, `ran`.)
             self._none_ran.add(block)
             self._record_decision(block, state, skip)
             return
@@ -126,13 +128,13 @@ class SkipSimulation(SkipController):
         return (values.float() * weight).sum() / weight.sum()
 
     def bypasses(self, block: int) -> bool:
-        # A removed block's routed input would feed a layer whose output nothing uses: do not compute it.
-        return block in self.removed_blocks
+        # A removed block's routed input would feed a layer whose output nothing uses: do not compute it (its
+        # stand-ins do use it).
+        return block in self.removed_blocks and block not in self.stand_in_blocks
 
-
-    def _combine(self, block: int, hidden: Tensor, out: Tensor, skip: Tensor) -> Tensor:
-        multiplier = self._multiplier[block].to(hidden.dtype)[..., None]
-        return hidden + multiplier * (out - hidden)
+    def _combine(self, block: int, skipped: Tensor, out: Tensor, skip: Tensor) -> Tensor:
+        multiplier = self._multiplier[block].to(skipped.dtype)[..., None]
+        return skipped + multiplier * (out - skipped)
 
     def expected_compute(self) -> Tensor:
         """Expected executed fraction of decoder-layer compute (differentiable through the gates)."""

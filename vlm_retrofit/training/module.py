@@ -23,6 +23,7 @@ from ..skipping import SkipSimulation
 from ..skipping.calibrate import scored_positions
 from ..skipping.runtime import resolve_budget
 from ..routing import RouterConfig, attach_routers
+from ..routing.stand_in import fit_stand_ins as least_squares_stand_ins
 from ..backbones.loading import load_backbone, recorded_name
 from ..backbones.registry import lora_layers
 from ..errors import InputError
@@ -120,6 +121,9 @@ class RetrofitModule(pl.LightningModule):
         compute_penalty: Literal["hinge", "squared"] = "squared",
         compute_counted_on: Literal["text", "response"] = "response",
         dense_step_fraction: float = 0.0,
+        stand_in_batches: int = 16,
+        stand_in_ridge: float = 1e-2,
+        stand_in_lr_scale: float = 0.1,
         optimizer: str = "AdamW",
         lr: float = 1e-2,
         query_lr_scale: float = 1.0,
@@ -241,6 +245,12 @@ class RetrofitModule(pl.LightningModule):
                 block: no simulated skipping, no removal, no compute penalty; its KL pulls the routers and the
                 LoRA toward the base with skipping off, which training under skips alone lets drift (logged as
                 `train/kl_dense`, not `train/kl`). Needs `train_routers`. 0 = every step skips.
+            stand_in_batches: training batches the stand-ins of skipped layers (`RouterConfig.skip_stand_in`) are
+                fitted on by least squares when training starts, on the full model's stream (not refitted where they
+                hold a fit already: a resumed run, an adapter to start from).
+            stand_in_ridge: ridge of that fit, as a fraction of the mean diagonal of its normal equations.
+            stand_in_lr_scale: learning-rate multiplier of the stand-ins after their fit (never weight-decayed);
+                0 keeps them at the fit.
             optimizer: `torch.optim` class name (or dotted path) used on the trainable parameters only.
             lr: peak learning rate.
             query_lr_scale: learning-rate multiplier of the router and gate pseudo-queries. An Adam step moves
@@ -314,6 +324,9 @@ class RetrofitModule(pl.LightningModule):
             raise InputError(f"hidden_weight must be >= 0, got {hidden_weight}")
         if not 0.0 <= dense_step_fraction < 1.0:
             raise InputError(f"dense_step_fraction must be in [0, 1), got {dense_step_fraction}")
+        if stand_in_batches < 1 or not stand_in_ridge > 0 or stand_in_lr_scale < 0:
+            raise InputError(f"stand-ins need stand_in_batches >= 1, stand_in_ridge > 0 and stand_in_lr_scale >= 0 "
+                             f"(got {stand_in_batches}, {stand_in_ridge}, {stand_in_lr_scale})")
         if dense_step_fraction and not train_routers:
             raise InputError("dense_step_fraction trains the routed model with skipping off; with train_routers: "
                              "false the student run whole is the teacher (set dense_step_fraction: 0)")
@@ -497,19 +510,45 @@ class RetrofitModule(pl.LightningModule):
     def on_fit_start(self) -> None:
         if self.hparams.replace_removed and self.replacements is None:  # a resumed run keeps its checkpoint's
             self.fit_replacement()
+        if len(self.adapter.stand_ins) and not any(bool(p.detach().any()) for p in self.adapter.stand_ins.parameters()):
+            self.fit_stand_ins()  # zero = never fitted: a resumed run's checkpoint or a given adapter holds its fit
+
+    def _first_training_batches(self, count: int, purpose: str) -> list[Mapping[str, Any]]:
+        """The first `count` batches of the datamodule's training data, on this module's device."""
+        datamodule = self.trainer.datamodule
+        if datamodule is None:
+            raise RuntimeError(f"{purpose} fits on the training data: fit with a datamodule")
+        loader = datamodule.train_dataloader()
+        batches = [self.transfer_batch_to_device(batch, self.device, 0) for batch in itertools.islice(loader, count)]
+        if not batches:
+            raise ValueError(f"{purpose}: the training data gave no batch to fit on")
+        return batches
+
+    def fit_stand_ins(self, batches: list[Mapping[str, Any]] | None = None) -> dict[int, float]:
+        """Fit the stand-ins of skipped layers to the frozen base on `batches` (default: the first
+        `stand_in_batches` of the training data); every rank keeps rank 0's. Returns each layer's R^2 (rank 0)."""
+        batches = batches if batches is not None else self._first_training_batches(int(self.hparams.stand_in_batches),
+                                                                                  "skip_stand_in")
+        trainer = self._trainer
+        explained: dict[int, float] = {}
+        started = time.perf_counter()
+        if trainer is None or trainer.is_global_zero:
+            precision = trainer.precision_plugin.forward_context() if trainer is not None else contextlib.nullcontext()
+            with self.teacher(), precision:
+                explained = least_squares_stand_ins(self.adapter, [self.model_inputs(batch)[0] for batch in batches],
+                                                    ridge=float(self.hparams.stand_in_ridge))
+        if trainer is not None:
+            fitted = {k: v.cpu() for k, v in self.adapter.stand_ins.state_dict().items()}
+            self.adapter.stand_ins.load_state_dict(trainer.strategy.broadcast(fitted, src=0))
+        log.info("stand-ins of layers %s fitted on %d batches in %.0f s; R^2 %s", sorted(map(int, self.adapter.stand_ins)),
+                 len(batches), time.perf_counter() - started, ", ".join(f"{i}:{r:.2f}" for i, r in explained.items()))
+        return explained
 
     def fit_replacement(self, batches: list[Mapping[str, Any]] | None = None) -> dict[int, Any]:
         """Fit the `replace_removed` replacement against the frozen base on `batches` (default: the first
         `replacement_batches` of the datamodule's training data); every rank keeps rank 0's."""
         if batches is None:
-            datamodule = self.trainer.datamodule
-            if datamodule is None:
-                raise RuntimeError("replace_removed fits on the training data: fit with a datamodule")
-            loader = datamodule.train_dataloader()
-            batches = [self.transfer_batch_to_device(batch, self.device, 0)
-                       for batch in itertools.islice(loader, int(self.hparams.replacement_batches))]
-        if not batches:
-            raise ValueError("replace_removed: the training data gave no batch to fit the replacement on")
+            batches = self._first_training_batches(int(self.hparams.replacement_batches), "replace_removed")
         self._ensure_removal_order(batches[0])
         precision = self.trainer.precision_plugin.forward_context() if self._trainer is not None else contextlib.nullcontext()
         hp = self.hparams
@@ -938,7 +977,8 @@ class RetrofitModule(pl.LightningModule):
     def configure_optimizers(self) -> dict[str, Any]:
         hp = self.hparams
         optimizer = build_optimizer(self.named_parameters(), hp.optimizer, hp.lr, hp.weight_decay, hp.optimizer_kwargs,
-                                    query_lr_scale=hp.query_lr_scale, lora_b_lr_scale=hp.lora_b_lr_scale)
+                                    query_lr_scale=hp.query_lr_scale, lora_b_lr_scale=hp.lora_b_lr_scale,
+                                    stand_in_lr_scale=hp.stand_in_lr_scale)
         total = hp.total_steps
         if total is None and self._trainer is not None:
             estimate = self.trainer.estimated_stepping_batches

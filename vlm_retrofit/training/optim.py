@@ -39,16 +39,24 @@ def _is_lora_b(name: str) -> bool:
     return ".lora_B." in name  # peft: <module>.lora_B.<adapter>.weight (the up-projection, zero at init)
 
 
+def _is_stand_in(name: str) -> bool:
+    return ".stand_ins." in name  # adapter.stand_ins.<layer>.weight / .bias
+
+
 def parameter_groups(named: Iterable[tuple[str, nn.Parameter]], weight_decay: float, lr: float = 1e-3,
-                     query_lr_scale: float = 1.0, lora_b_lr_scale: float = 1.0) -> list[dict[str, Any]]:
+                     query_lr_scale: float = 1.0, lora_b_lr_scale: float = 1.0,
+                     stand_in_lr_scale: float = 1.0) -> list[dict[str, Any]]:
     """The parameters that require grad, grouped: decayed, router/gate queries (decayed, lr x `query_lr_scale`),
-    LoRA B matrices (decayed, lr x `lora_b_lr_scale`) and not decayed (biases, norm gains). A scaled group carries
-    a `name`; the base learning rate is that of the unnamed groups."""
-    decay, queries, lora_b, no_decay = [], [], [], []
+    LoRA B matrices (decayed, lr x `lora_b_lr_scale`), stand-ins of skipped layers (lr x `stand_in_lr_scale`, not
+    decayed: their fit is not pulled toward an identity skip) and not decayed (biases, norm gains). A scaled group
+    carries a `name`; the base learning rate is that of the unnamed groups."""
+    decay, queries, lora_b, stand_ins, no_decay = [], [], [], [], []
     for name, param in named:
         if not param.requires_grad:
             continue
-        if not _decays(name, param):
+        if _is_stand_in(name):
+            stand_ins.append(param)
+        elif not _decays(name, param):
             no_decay.append(param)
         elif _is_query(name) and query_lr_scale != 1.0:
             queries.append(param)
@@ -63,6 +71,8 @@ def parameter_groups(named: Iterable[tuple[str, nn.Parameter]], weight_decay: fl
         groups.append({"params": queries, "weight_decay": weight_decay, "lr": lr * query_lr_scale, "name": "queries"})
     if lora_b:
         groups.append({"params": lora_b, "weight_decay": weight_decay, "lr": lr * lora_b_lr_scale, "name": "lora_B"})
+    if stand_ins:
+        groups.append({"params": stand_ins, "weight_decay": 0.0, "lr": lr * stand_in_lr_scale, "name": "stand_ins"})
     if no_decay:
         groups.append({"params": no_decay, "weight_decay": 0.0})
     if not groups:
@@ -72,11 +82,14 @@ def parameter_groups(named: Iterable[tuple[str, nn.Parameter]], weight_decay: fl
 
 def build_optimizer(named: Iterable[tuple[str, nn.Parameter]], name: str = "AdamW", lr: float = 1e-3,
                     weight_decay: float = 0.0, kwargs: dict[str, Any] | None = None,
-                    query_lr_scale: float = 1.0, lora_b_lr_scale: float = 1.0) -> torch.optim.Optimizer:
+                    query_lr_scale: float = 1.0, lora_b_lr_scale: float = 1.0,
+                    stand_in_lr_scale: float = 1.0) -> torch.optim.Optimizer:
     for label, scale in (("query_lr_scale", query_lr_scale), ("lora_b_lr_scale", lora_b_lr_scale)):
         if scale <= 0:
             raise InputError(f"{label} must be > 0, got {scale}")
-    groups = parameter_groups(named, weight_decay, lr, query_lr_scale, lora_b_lr_scale)
+    if stand_in_lr_scale < 0:
+        raise InputError(f"stand_in_lr_scale must be >= 0, got {stand_in_lr_scale}")
+    groups = parameter_groups(named, weight_decay, lr, query_lr_scale, lora_b_lr_scale, stand_in_lr_scale)
     return optimizer_class(name)(groups, lr=lr, **(kwargs or {}))
 
 
