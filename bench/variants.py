@@ -206,8 +206,10 @@ VARIANTS = {
                                              {**B2_CANDIDATE_GATES, "lora": GATE_LORA, "dense_step_fraction": 0.25}),
     # `gate_lora_candidates_b2` with stand-ins for the skipped layers (`RouterConfig.skip_stand_in`): a token skipping
     # a layer gets a d x d map of its input, fitted to the layer by least squares when training starts, instead of
-    # nothing. Training-free, random skipping of the 9 cheapest layers read x1.29 instead of x1.86 with them at 20 %
-    # (val; HISTORY.md, "Stand-ins for skipped layers").
+    # nothing. Training-free, random skipping of the 9 cheapest layers read x1.31 instead of x1.87 with them at 20 %
+    # (val text, `python -m bench.stand_in_probe`). Trained, seeds 0 / 1 on val: x1.068 / x1.062, x1.164 / x1.180,
+    # x1.275 / x1.330 at 10 / 20 / 30 % against the recipe's x1.092-1.129, x1.280-1.363, x1.618-1.640 (HISTORY.md,
+    # "Stand-ins for skipped layers").
     "gate_lora_candidates_b2_stand_in": Variant("gate_lora_candidates_b2_stand_in", "gate",
                                                 {**B2_GATE_ROUTER, "skip_stand_in": True},
                                                 {**B2_CANDIDATE_GATES, "lora": GATE_LORA}),
@@ -224,11 +226,12 @@ VARIANTS = {
 # `gate_b3_candidates`, x1.167 / x1.372 / x1.891 at 10 / 20 / 30 % against x1.443 / x1.943 / x3.852; the same in
 # front of blocks of 2 layers, whose routing costs less: x1.141 / x1.305 / x1.536 by hand on test), LoRA healing
 # from plain removal at 20 %, and from a layer replacement at each target (at 10 / 30 % x0.996 / x1.169 against
-# x1.025 / x1.266 from plain removal). The variants they superseded stay selectable with --variants (their last
-# table rows are in RESULTS.md's earlier runs).
+# x1.025 / x1.266 from plain removal). The same with stand-ins for the skipped layers replaced `gate_lora_candidates`
+# (block size 1) on 2026-12-07: val x1.164 / x1.180 at 20 % on two seeds against x1.363 / x1.280 without them. The
+# variants they superseded stay selectable with --variants (their last table rows are in RESULTS.md's earlier runs).
 DEFAULT_VARIANTS = ["routed_static", "lora_mlp_span", "lora_mlp_span_layer_t10", "lora_mlp_span_layer",
-                    "lora_mlp_span_layer_t30", "gate", "gate_lora", "gate_lora_candidates", "gate_lora_candidates_b2",
-                    "recent_weight"]
+                    "lora_mlp_span_layer_t30", "gate", "gate_lora", "gate_lora_candidates_b2",
+                    "gate_lora_candidates_b2_stand_in", "recent_weight"]
 
 
 def selected_variants(names: list[str], train_steps: int | None = None) -> list[Variant]:

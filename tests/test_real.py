@@ -144,7 +144,7 @@ def test_load_backbone_reads_the_cached_folder(real):
 
 
 @pytest.mark.parametrize("config", ["smollm2-tuxpaint.yaml", "smollm2-tuxpaint-long.yaml",
-                                    "smollm2-tuxpaint-routers.yaml"])
+                                    "smollm2-tuxpaint-routers.yaml", "smollm2-tuxpaint-gates.yaml"])
 def test_real_config_fits_with_fast_dev_run(real, config, tmp_path, monkeypatch):
     """configs/smollm2-tuxpaint*.yaml (`make demo` trains the first) run one step on the real VLM and its shards."""
     from bench.data import write_bench_shards

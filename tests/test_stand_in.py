@@ -122,9 +122,13 @@ def test_cached_skipping_with_stand_ins_equals_the_uncached_reference(family, ba
         whole.kv_only_when_all_skip = False  # fully skipped steps run the layer and select
         with whole:
             through_layers = model.generate(**inputs, **options)
+        dense = adapter.skipping(policy)
+        dense.sparse_mlp = False  # mixed blocks run their MLP and stand-ins over every token
+        with dense:
+            dense_rows = model.generate(**inputs, **options)
         with adapter.skipping(policy):
             reference = model.generate(**inputs, use_cache=False, **options)
-    for other in (through_layers, reference):
+    for other in (through_layers, dense_rows, reference):
         assert torch.equal(cached.sequences, other.sequences)
         torch.testing.assert_close(torch.stack(cached.logits, 1), torch.stack(other.logits, 1), atol=1e-4, rtol=0)
     assert report.layer_calls["mixed"] > 0
@@ -178,6 +182,14 @@ def test_accounting_counts_the_stand_ins_products():
     with torch.no_grad(), adapter.skipping(StaticPolicy(blocks=[2])) as removed:
         model(input_ids=input_ids)
     assert removed.prefill.executed_flops == 3 * per_layer_prefill + 5 * stand_in
+    # A mixed block computes the stand-ins at its skipping tokens only (2 of 5 here), beside the layer run whole
+    # (the sparse MLP spares their MLP rows).
+    two_skip = PatternPolicy(lambda block, state: (torch.arange(5) < 2)[None] if block == 2 else None)
+    with torch.no_grad(), adapter.skipping(two_skip) as mixed:
+        model(input_ids=input_ids)
+    mlp = 3 * 2 * 64 * 128
+    assert mixed.layer_calls["mixed"] == 1
+    assert mixed.prefill.executed_flops == 4 * per_layer_prefill - 2 * mlp + 2 * stand_in
 
 
 def test_fit_is_the_least_squares_map_and_brings_skipping_nearer_the_base():
@@ -302,3 +314,27 @@ def test_stand_in_settings_are_checked():
     for bad in ({"stand_in_batches": 0}, {"stand_in_ridge": 0.0}, {"stand_in_lr_scale": -1.0}):
         with pytest.raises(InputError, match="stand_in"):
             RetrofitModule(backbone="tiny:llama", router={"skip_stand_in": True}, **bad)
+
+
+def test_a_release_of_routers_with_stand_ins_generates_as_the_trained_model(tmp_path):
+    from conftest import fit_config
+
+    from vlm_retrofit import get_adapter, load_release
+    from vlm_retrofit.release import load_checkpoint, merge
+
+    fit_config(tmp_path, "tiny-llava-lora.yaml", "--trainer.max_steps", "2", "--model.router.skip_stand_in", "true",
+               "--model.stand_in_batches", "1")
+    checkpoint = tmp_path / "runs" / "tiny-llava-lora" / "checkpoints" / "last.ckpt"
+    source = load_checkpoint(checkpoint)
+    assert any(bool(p.any()) for p in source.adapter.stand_ins.parameters())  # fitted, then trained
+    inputs = tiny_inputs(source.processor)
+    options = dict(max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    with torch.no_grad(), source.adapter.skipping("random", rate=0.5) as report:
+        expected = source.model.generate(**inputs, **options)
+    assert sum(report.block_skipped_tokens) > 0
+    merge(checkpoint, tmp_path / "release")
+    model, _ = load_release(tmp_path / "release")
+    with torch.no_grad(), get_adapter(model).skipping("random", rate=0.5):
+        released = model.generate(**inputs, **options)
+    assert torch.equal(released.sequences, expected.sequences)
+    torch.testing.assert_close(torch.stack(released.logits, 1), torch.stack(expected.logits, 1), atol=1e-5, rtol=0)

@@ -97,7 +97,8 @@ class SkipController:
     """False runs fully skipped steps through the real layer and selects, as a reference for the kv-only path."""
     sparse_mlp = True
     """False runs a mixed block's MLP over every token, as a reference for the sparse path (and for training, whose
-    straight-through gradient reads the layer's output at the skipping tokens too)."""
+    straight-through gradient reads the layer's output at the skipping tokens too), and its stand-ins over every
+    token (True: at the skipping tokens only)."""
 
     def __init__(self, adapter: RouterAdapter, policy: SkipPolicy | None = None, *, budget: int | float | None = None) -> None:
         self.adapter = adapter
@@ -121,12 +122,12 @@ class SkipController:
         self._none_ran: set[int] = set()
         """Blocks that every token skips in this forward (their delta is dropped from the stream)."""
         self.cacheless_blocks = self._cacheless_blocks(adapter, policy)
+        """Blocks no token runs while this context lasts: identity (or their stand-ins) with no cache write at all."""
         self._stand_ins = {int(layer): module for layer, module in adapter.stand_ins.items()}
         """Decoder layer index -> its stand-in (`RouterConfig.skip_stand_in`); empty without them."""
         self.stand_in_blocks = frozenset(b for b in self.skippable
                                          if all(i in self._stand_ins for i in self.layout.layers_of_block(b)))
         """Skippable blocks whose layers all have stand-ins: a token skipping them still writes a delta."""
-        """Blocks no token runs while this context lasts: identity with no cache write at all."""
         self._context_length = 0
         """Tokens already in the cache when the current forward began."""
         self._used: Tensor | None = None
@@ -422,7 +423,7 @@ class SkipController:
             if cache is not None:
                 self.report.kv_only_layers.add(index)
             return skipped
-        skipped, stand_in_flops = self._skipped_output(index, hidden)  # over every row, as the select reads them
+        skipped, stand_in_flops = self._skipped_output(index, hidden, skip if self.sparse_mlp else None)
         mlp_flops = self._mlp_flops.get(index)
         if mlp_flops is None:
             self.report.record_layer("mixed", full + stand_in_flops, full, is_prefill)
@@ -435,14 +436,21 @@ class SkipController:
         self.report.record_layer("mixed", full - self._mlp_spared * mlp_flops + stand_in_flops, full, is_prefill)
         return _map_output(output, lambda out: self._combine(block, skipped, out, skip))
 
-    def _skipped_output(self, index: int, hidden: Tensor) -> tuple[Tensor, int]:
+    def _skipped_output(self, index: int, hidden: Tensor, rows: Tensor | None = None) -> tuple[Tensor, int]:
         """What a token skipping layer `index` leaves in the stream (its input `hidden`, or its stand-in's output
-        from it), and the FLOPs that took over `hidden`'s rows."""
+        from it), and the FLOPs that took: over every row, or with `rows` (bool [B, T]) at those rows only (the
+        others keep `hidden`; in a prefill few tokens skip, and a product over every row would cost more than the
+        skips save)."""
         stand_in = self._stand_ins.get(index)
         if stand_in is None:
             return hidden, 0
-        return (stand_in(hidden, self.adapter.config.key_norm_eps),
-                stand_in.flops_per_token() * hidden.shape[0] * hidden.shape[1])
+        eps = self.adapter.config.key_norm_eps
+        if rows is None:
+            return stand_in(hidden, eps), stand_in.flops_per_token() * hidden.shape[0] * hidden.shape[1]
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        picked = rows.reshape(-1).nonzero().squeeze(1)
+        out = flat.index_copy(0, picked, stand_in(flat.index_select(0, picked), eps)).reshape(hidden.shape)
+        return out, stand_in.flops_per_token() * picked.numel()
 
     def _combine(self, block: int, skipped: Tensor, out: Tensor, skip: Tensor) -> Tensor:
         """The layer's output where a token runs it, `skipped` (`_skipped_output`) where it skips."""

@@ -32,7 +32,8 @@ class SkipSimulation(SkipController):
     """
 
     mode = "blend"
-    sparse_mlp = False  # the straight-through gradient reads the layer's output at the skipping positions too
+    sparse_mlp = False  # the straight-through gradient reads the layer's output at the skipping positions too (and
+    # the stand-ins' at the running ones: a gate's gradient weighs the layer against its stand-in)
 
     def __init__(self, adapter: RouterAdapter, drop_rate: float = 0.0, *, use_gates: bool = True,
                  budget: int | float | None = None, generator: torch.Generator | None = None,

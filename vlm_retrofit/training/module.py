@@ -527,8 +527,8 @@ class RetrofitModule(pl.LightningModule):
     def fit_stand_ins(self, batches: list[Mapping[str, Any]] | None = None) -> dict[int, float]:
         """Fit the stand-ins of skipped layers to the frozen base on `batches` (default: the first
         `stand_in_batches` of the training data); every rank keeps rank 0's. Returns each layer's R^2 (rank 0)."""
-        batches = batches if batches is not None else self._first_training_batches(int(self.hparams.stand_in_batches),
-                                                                                  "skip_stand_in")
+        if batches is None:
+            batches = self._first_training_batches(int(self.hparams.stand_in_batches), "skip_stand_in")
         trainer = self._trainer
         explained: dict[int, float] = {}
         started = time.perf_counter()
@@ -549,6 +549,8 @@ class RetrofitModule(pl.LightningModule):
         `replacement_batches` of the datamodule's training data); every rank keeps rank 0's."""
         if batches is None:
             batches = self._first_training_batches(int(self.hparams.replacement_batches), "replace_removed")
+        if not batches:
+            raise ValueError("replace_removed: no batch to fit the replacement on")
         self._ensure_removal_order(batches[0])
         precision = self.trainer.precision_plugin.forward_context() if self._trainer is not None else contextlib.nullcontext()
         hp = self.hparams
