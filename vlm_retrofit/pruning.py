@@ -48,8 +48,8 @@ def blocks_to_prune(adapter: RouterAdapter, *, blocks: Iterable[int] | None = No
     bad = [b for b in chosen if b not in layout.skippable_blocks]
     if bad:
         raise InputError(f"blocks {bad} cannot be pruned: the skippable blocks are {list(layout.skippable_blocks)}")
-    fitted = [i for i in layout.layers_of_blocks(chosen) if str(i) in adapter.stand_ins
-              and any(bool(p.detach().any()) for p in adapter.stand_ins[str(i)].parameters())]
+    fitted = [i for i in layout.layers_of_blocks(chosen)
+              if str(i) in adapter.stand_ins and adapter.stand_ins[str(i)].fitted]
     if fitted:  # a pruned model deletes the layers outright: what their stand-ins computed would be lost unsaid
         raise InputError(f"layers {fitted} of blocks {chosen} have stand-ins (RouterConfig.skip_stand_in), which a "
                          "pruned release would drop: ship the adapter with its skip policy instead (a release "

@@ -36,6 +36,11 @@ class StandIn(nn.Module):
         update = torch.addmm(self.bias, rms_normalize(hidden, eps).reshape(-1, hidden.shape[-1]), self.weight)
         return hidden + update.reshape(hidden.shape).to(hidden.dtype)
 
+    @property
+    def fitted(self) -> bool:
+        """Whether it holds a fit (anything but the zero of init, under which a skip is the plain identity)."""
+        return bool(self.weight.detach().any() or self.bias.detach().any())
+
     def flops_per_token(self) -> int:
         """Multiply-adds of the matrix product, counted as 2 FLOPs each (the norm and bias are left out)."""
         return 2 * self.weight.shape[0] * self.weight.shape[1]

@@ -128,6 +128,9 @@ class SkipController:
         self.stand_in_blocks = frozenset(b for b in self.skippable
                                          if all(i in self._stand_ins for i in self.layout.layers_of_block(b)))
         """Skippable blocks whose layers all have stand-ins: a token skipping them still writes a delta."""
+        self.bypassed_blocks = self.cacheless_blocks - self.stand_in_blocks
+        """Blocks whose routed input nothing reads (`bypasses`): no token runs them, and no stand-in computes from
+        it."""
         self._context_length = 0
         """Tokens already in the cache when the current forward began."""
         self._used: Tensor | None = None
@@ -360,9 +363,8 @@ class SkipController:
         return frozenset(i for b in self.cacheless_blocks for i in self.layout.layers_of_block(b))
 
     def bypasses(self, block: int) -> bool:
-        """True when no token runs `block` and it writes no cache: the adapter does not even route its input (a
-        block with stand-ins needs it: they compute from it)."""
-        return block in self.cacheless_blocks and block not in self.stand_in_blocks
+        """True when nothing reads `block`'s routed input (`bypassed_blocks`): the adapter does not even route it."""
+        return block in self.bypassed_blocks
 
     def ran(self, block: int) -> Tensor | bool | None:
         """Bool [B, T] mask of the tokens whose delta of `block` is present in this forward (None: every token's;

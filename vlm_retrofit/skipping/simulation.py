@@ -47,6 +47,9 @@ class SkipSimulation(SkipController):
         if not self.removed_blocks <= self.skippable:
             raise ValueError(f"removed_blocks {sorted(self.removed_blocks - self.skippable)} are not skippable; "
                              f"skippable blocks are {sorted(self.skippable)}")
+        # A removed block's routed input would feed a layer whose output nothing uses: it is not computed (its
+        # stand-ins, where it has them, do use it).
+        self.bypassed_blocks = self.removed_blocks - self.stand_in_blocks
         if self.budget is not None:
             # At inference a static policy's removed blocks count against the budget (every token skips them);
             # here too: the sampled blocks get what is left of it.
@@ -93,7 +96,7 @@ class SkipSimulation(SkipController):
             self.realised_keep[block] = 0.0
             # Its delta is dropped from the stream, as at inference, and its layer runs nothing: the multiplier
             # is 0 with no gate behind it, so the output would carry neither value nor gradient. (With stand-ins
-            # they run in its place and their delta stays: `bypasses`, `ran`.)
+            # they run in its place and their delta stays: `bypassed_blocks`, `ran`.)
             self._none_ran.add(block)
             self._record_decision(block, state, skip)
             return
@@ -127,11 +130,6 @@ class SkipSimulation(SkipController):
             return values.mean()
         weight = counted.to(device=values.device, dtype=torch.float32)  # bf16 sums over many tokens lose digits
         return (values.float() * weight).sum() / weight.sum()
-
-    def bypasses(self, block: int) -> bool:
-        # A removed block's routed input would feed a layer whose output nothing uses: do not compute it (its
-        # stand-ins do use it).
-        return block in self.removed_blocks and block not in self.stand_in_blocks
 
     def _combine(self, block: int, skipped: Tensor, out: Tensor, skip: Tensor) -> Tensor:
         multiplier = self._multiplier[block].to(skipped.dtype)[..., None]

@@ -510,8 +510,9 @@ class RetrofitModule(pl.LightningModule):
     def on_fit_start(self) -> None:
         if self.hparams.replace_removed and self.replacements is None:  # a resumed run keeps its checkpoint's
             self.fit_replacement()
-        if len(self.adapter.stand_ins) and not any(bool(p.detach().any()) for p in self.adapter.stand_ins.parameters()):
-            self.fit_stand_ins()  # zero = never fitted: a resumed run's checkpoint or a given adapter holds its fit
+        stand_ins = self.adapter.stand_ins.values()
+        if stand_ins and not any(stand_in.fitted for stand_in in stand_ins):
+            self.fit_stand_ins()  # a resumed run's checkpoint or a given adapter holds its fit already
 
     def _first_training_batches(self, count: int, purpose: str) -> list[Mapping[str, Any]]:
         """The first `count` batches of the datamodule's training data, on this module's device."""
