@@ -59,9 +59,9 @@ def load_for_measuring(args, manifest: dict[str, Any]):
 
 def machine(args) -> str:
     """The machine a result was measured on, for its report: CPU, cores, torch, and the GPU when `args.device` is one."""
-    import platform
+    from vlm_retrofit.hardware import cpu_description
 
-    return (f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}"
+    return (f"{cpu_description()}, {os.cpu_count()} CPU cores, torch {torch.__version__}"
             + (f", GPU {torch.cuda.get_device_name()} ({args.dtype})" if args.device.startswith("cuda") else ""))
 
 

@@ -56,3 +56,32 @@ def test_the_demo_gets_fp32_options_only_where_bf16_is_slow_and_fit_takes_them(c
     with pytest.warns(UserWarning, match=re.escape(" ".join(FP32_FIT_FLAGS))):
         fit_config(tmp_path, "tiny.yaml", "--trainer.max_steps", "1", "--trainer.precision", "bf16-mixed",
                    "--trainer.default_root_dir", str(tmp_path / "bf16"))
+
+
+CPUINFO = """processor\t: 0
+vendor_id\t: {vendor}
+model name\t: {model}
+flags\t\t: fpu sse2 avx2 {flags}
+
+processor\t: 1
+model name\t: another entry, not read
+flags\t\t: amx_bf16
+"""
+
+
+@pytest.mark.parametrize(("flags", "unit"), [
+    ("avx512f avx512_bf16 amx_tile amx_bf16", "(AMX-BF16)"),
+    ("avx512f avx512_bf16", "(AVX512-BF16, no AMX)"),
+    ("fma", ", no bf16 unit)"),
+])
+def test_a_record_names_the_cpu_model_and_its_bf16_unit(tmp_path, flags, unit):
+    """The bf16 unit sets how many steps a 20-minute budget holds: records name it beside the model."""
+    path = tmp_path / "cpuinfo"
+    path.write_text(CPUINFO.format(vendor="AuthenticAMD", model="AMD EPYC 9R14", flags=flags))
+    description = hardware.cpu_description(path)
+    assert description.startswith("AMD EPYC 9R14 (") and description.endswith(unit)
+
+
+def test_without_cpuinfo_the_record_falls_back_to_the_platform_and_torchs_capability(tmp_path):
+    description = hardware.cpu_description(tmp_path / "missing")
+    assert description.endswith(f"({torch.backends.cpu.get_cpu_capability()})") and len(description) > 4

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import functools
+import platform
+from pathlib import Path
 from typing import Any, Sequence
 
 import torch
@@ -55,6 +57,32 @@ def _cpu_has_fast_bf16() -> bool:
         return "AVX512" in torch.backends.cpu.get_cpu_capability()
 
 
+def cpu_description(cpuinfo: str | Path = "/proc/cpuinfo") -> str:
+    """This CPU as a measurement record names it: its model and the unit its bf16 matmuls run on, e.g. "AMD EPYC
+    (AVX512-BF16, no AMX)". The unit sets much of a 20-minute training budget's step count: on 2 cores the bench's
+    span recipe took 2.1 s a bf16-mixed step on a CPU with AMX and 3.8 s on an AMD EPYC with AVX512-BF16 alone
+    (bench/HISTORY.md). Read from `cpuinfo` (Linux); elsewhere the platform's name and torch's vector capability."""
+    try:
+        text = Path(cpuinfo).read_text(errors="replace")
+    except OSError:
+        text = ""
+    fields: dict[str, str] = {}
+    for line in text.split("\n\n", 1)[0].splitlines():  # the first logical CPU's entry
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    model = fields.get("model name") or platform.processor() or platform.machine()
+    flags = set(fields["flags"].split()) if "flags" in fields else None
+    if flags is None:
+        unit = torch.backends.cpu.get_cpu_capability()
+    elif "amx_bf16" in flags:
+        unit = "AMX-BF16"
+    elif "avx512_bf16" in flags:
+        unit = "AVX512-BF16, no AMX"
+    else:
+        unit = f"{torch.backends.cpu.get_cpu_capability()}, no bf16 unit"
+    return f"{model} ({unit})"
+
+
 def _bf16_settings(precision: Any, torch_dtype: Any) -> list[str]:
     """The settings among a Lightning `precision` ("bf16-mixed", ...) and a weights `torch_dtype` that ask for bf16."""
     return [*([f"precision {precision}"] if str(precision).startswith("bf16") else []),
@@ -88,7 +116,7 @@ def main(args: Sequence[str] | None = None) -> int:
     if ns.fit_flags:
         print("" if fast_bf16("cpu") else " ".join(FP32_FIT_FLAGS))
     else:
-        print(f"bf16 at speed on cpu: {fast_bf16('cpu')} ({torch.backends.cpu.get_cpu_capability()})")
+        print(f"bf16 at speed on cpu: {fast_bf16('cpu')} ({cpu_description()})")
     return 0
 
 
