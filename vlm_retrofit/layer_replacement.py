@@ -20,7 +20,7 @@ from typing import Any, Iterable, Iterator, Literal, Mapping
 import torch
 from torch import Tensor, nn
 
-from .backbones.registry import BackboneSpec, unwrap_model
+from .backbones.registry import BackboneSpec, layer_hidden_states, layer_output, unwrap_model
 from .routing import entry
 
 
@@ -130,8 +130,6 @@ def _captured(model: nn.Module, spec: BackboneSpec, batches: list[tuple[dict[str
     keyword arguments (`in<i>`, `kwargs<i>`: a layer's attention mask can be its own, e.g. a sliding window), and
     the outputs of the layers `outputs_of` (`out<i>`). The forward stops after the last of them. Kept on the CPU: a
     large model's states for a few hundred batches would not fit beside it on a GPU."""
-    from .backbones.registry import layer_hidden_states
-    from .replacement import _first
 
     layers = spec.get_layers(model)
     inputs_of, outputs_of = sorted(set(inputs_of)), sorted(set(outputs_of))
@@ -156,7 +154,7 @@ def _captured(model: nn.Module, spec: BackboneSpec, batches: list[tuple[dict[str
 
     def take_output(index):
         def hook(_module, _args, output):
-            store[f"out{index}"] = _first(output).detach().cpu()
+            store[f"out{index}"] = layer_output(output).detach().cpu()
             if index == last_output and last_input <= index:
                 raise _Stop
         return hook
@@ -255,7 +253,7 @@ def fit_layer_replacements(model: nn.Module, spec: BackboneSpec, layers: Iterabl
                     for group in optimizer.param_groups:
                         group["lr"] = lr * 0.5 * (1 + math.cos(math.pi * step / total))
                     output = trained(layer_input, **_to(inputs[batch][f"kwargs{at}"], device, dtype))
-                    output = output[0] if isinstance(output, (tuple, list)) else output
+                    output = layer_output(output)
                     loss = update_error(output, target, layer_input, mask)
                     optimizer.zero_grad(set_to_none=True)
                     loss.backward()

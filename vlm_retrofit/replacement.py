@@ -22,7 +22,7 @@ from typing import Any, Iterable, Iterator, Mapping
 import torch
 from torch import Tensor, nn
 
-from .backbones.registry import BackboneSpec, unwrap_model
+from .backbones.registry import BackboneSpec, layer_output, unwrap_model
 from .errors import InputError
 
 __all__ = ["removed_spans", "output_projection", "fit_replacements", "replacements_applied", "fold_replacements",
@@ -74,10 +74,6 @@ POST_MLP_NORMS = ("post_feedforward_layernorm", "post_mlp_layernorm")
 """Names of a norm that follows a layer's MLP (Gemma 2 / 3, and PaliGemma 2's Gemma 2 text)."""
 
 
-def _first(output: Any) -> Tensor:
-    return output[0] if isinstance(output, (tuple, list)) else output
-
-
 @contextlib.contextmanager
 def _forward_hooks(hooks: Iterable[tuple[nn.Module, Any]]) -> Iterator[None]:
     """Within the context each (module, hook) pair is registered as a forward hook."""
@@ -93,7 +89,7 @@ def _forward_hooks(hooks: Iterable[tuple[nn.Module, Any]]) -> Iterator[None]:
 def _captured(modules: Mapping[str, nn.Module]) -> Iterator[dict[str, Tensor]]:
     """Within the context, `store[name]` is the last output of `modules[name]` (forward hooks)."""
     store: dict[str, Tensor] = {}
-    with _forward_hooks((module, lambda _m, _a, out, name=name: store.__setitem__(name, _first(out)))
+    with _forward_hooks((module, lambda _m, _a, out, name=name: store.__setitem__(name, layer_output(out)))
                         for name, module in modules.items()):
         yield store
 

@@ -495,6 +495,12 @@ def layer_hidden_states(args: tuple, kwargs: dict[str, Any]) -> Tensor:
     return args[0] if args else kwargs["hidden_states"]
 
 
+def layer_output(output: Any) -> Tensor:
+    """The hidden states a decoder layer returns (a tensor, or the first item of a tuple: older transformers, and a
+    mixture of experts adding its router logits), as a forward hook sees them."""
+    return output[0] if isinstance(output, (tuple, list)) else output
+
+
 def with_layer_hidden_states(args: tuple, kwargs: dict[str, Any], hidden: Tensor) -> tuple[tuple, dict[str, Any]]:
     """A decoder layer's call arguments with `hidden` in place of its hidden states (a forward pre-hook's return)."""
     if args:

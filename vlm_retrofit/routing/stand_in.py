@@ -19,7 +19,7 @@ from typing import Any, Iterable, Mapping
 import torch
 from torch import Tensor, nn
 
-from ..backbones import layer_hidden_states
+from ..backbones import layer_hidden_states, layer_output
 from .router import rms_normalize
 
 
@@ -73,7 +73,7 @@ def fit_stand_ins(adapter: Any, batches: Iterable[Mapping[str, Any]], *, ridge: 
     def capture(index: int):
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             hidden = layer_hidden_states(args, kwargs)
-            out = output[0] if isinstance(output, tuple) else output  # a tuple in older transformers
+            out = layer_output(output)
             keep = real[0]
             x, y = rms_normalize(hidden, eps), (out.float() - hidden.float())
             x, y = (x[keep], y[keep]) if keep is not None else (x.reshape(-1, hidden_size), y.reshape(-1, hidden_size))

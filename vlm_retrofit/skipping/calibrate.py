@@ -10,7 +10,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import torch
 from torch import Tensor
 
-from ..backbones.registry import image_positions, layer_hidden_states, unwrap_model
+from ..backbones.registry import image_positions, layer_hidden_states, layer_output, unwrap_model
 from ..batch import model_inputs
 from ..errors import InputError
 from ..routing.adapter import RouterAdapter
@@ -143,7 +143,7 @@ def block_influence(adapter: RouterAdapter, batches: Iterable[Mapping[str, Any]]
             inputs[block] = layer_hidden_states(args, kwargs).float()
 
         def post(module, args, kwargs, output, block=block):
-            out = (output[0] if isinstance(output, tuple) else output).float()
+            out = layer_output(output).float()
             influence = 1 - torch.nn.functional.cosine_similarity(inputs.pop(block), out, dim=-1)
             scored, count = current["scored"], current["count"]
             if scored.shape != influence.shape:  # a decoder that expands its input: every position counts
