@@ -137,9 +137,22 @@ class SkipSimulation(SkipController):
 
     def expected_compute(self) -> Tensor:
         """Expected executed fraction of decoder-layer compute (differentiable through the gates)."""
-        layout = self.layout
+        return torch.as_tensor(self._executed_layers(self.expected_keep)) / self.layout.num_layers
+
+    def realised_compute(self) -> float:
+        """The executed fraction of decoder-layer compute this forward's sampled skips came to."""
+        return float(self._executed_layers(self.realised_keep)) / self.layout.num_layers
+
+    def _executed_layers(self, keep_rates: dict[int, Tensor] | dict[int, float]) -> Tensor | float:
+        """Layer executions per counted token given each sampled block's keep rate (unsampled blocks run). A token
+        that skips a layer with a stand-in still runs the stand-in: it counts as the stand-in's share of the
+        layer's FLOPs, so a compute target is not met by skips that save less than they seem to."""
         total: Tensor | float = 0.0
-        for block in range(layout.num_blocks):
-            keep = self.expected_keep.get(block)
-            total = total + len(layout.layers_of_block(block)) * (keep if keep is not None else 1.0)
-        return torch.as_tensor(total) / layout.num_layers
+        for block in range(self.layout.num_blocks):
+            keep = keep_rates.get(block)
+            for layer in self.layout.layers_of_block(block):
+                if keep is None:
+                    total = total + 1.0
+                else:
+                    total = total + keep + (1.0 - keep) * self.stand_in_share.get(layer, 0.0)
+        return total

@@ -229,8 +229,8 @@ class RetrofitModule(pl.LightningModule):
                 (one per count, in that order) the removal schedule draws k from; null = uniform. E.g. `[1, 1, 1,
                 6, 1, 1, 1]` over 3..9 draws 6 removed blocks on half the steps and shares the rest among the
                 other counts: one adapter for every count, with more of the steps on one operating point.
-            compute_target: target expected executed fraction of decoder-block compute (e.g. 0.8); null = no
-                compute penalty.
+            compute_target: target expected executed fraction of decoder-block compute (e.g. 0.8; a skipped
+                layer's stand-in counts as its share of the layer's FLOPs); null = no compute penalty.
             compute_weight: weight of the compute penalty.
             compute_penalty: `squared` = weight * (expected - target)^2 (holds compute at the target);
                 `hinge` = weight * relu(expected - target) (only penalises running more than the target).
@@ -838,20 +838,20 @@ class RetrofitModule(pl.LightningModule):
             expected_compute = torch.as_tensor(sim.expected_compute(), device=kl.device, dtype=torch.float32)
             expected_keep = {int(b): float(torch.as_tensor(v).detach()) for b, v in sim.expected_keep.items()}
             realised_keep = {int(b): float(v) for b, v in sim.realised_keep.items()}
-        else:
+            realised_compute = sim.realised_compute()
+        else:  # nothing sampled: what is removed is exactly what does not run
             expected_keep = {b: 0.0 if b in removed else 1.0 for b in skippable}
             realised_keep = dict(expected_keep)
-        ran_layers = layout.num_layers - sum(len(layout.layers_of_block(b)) for b in skippable)
-        ran_layers += sum(realised_keep.get(b, 1.0) * len(layout.layers_of_block(b)) for b in skippable)
-        if sim is None:  # nothing sampled: what is removed is exactly what does not run
-            expected_compute = kl.new_tensor(ran_layers / layout.num_layers)
+            not_run = len(layout.layers_of_blocks([b for b in removed if b in skippable]))
+            realised_compute = 1.0 - not_run / layout.num_layers
+            expected_compute = kl.new_tensor(realised_compute)
         penalty = compute_penalty(expected_compute, None if dense else self.hparams.compute_target,
                                   self.hparams.compute_weight, self.hparams.compute_penalty).to(kl.device)
         entropy = {k: float(v) for k, v in routing_entropies(
             self.adapter.last_routing_weights if self.hparams.train_routers else {}, inputs.get("attention_mask")).items()}
         loss = kl + penalty if hidden is None else kl + penalty + float(self.hparams.hidden_weight) * hidden
         return StepOutput(loss=loss, kl=kl, penalty=penalty, expected_compute=expected_compute, hidden=hidden,
-                          realised_compute=ran_layers / layout.num_layers, expected_keep=expected_keep,
+                          realised_compute=realised_compute, expected_keep=expected_keep,
                           realised_keep=realised_keep, entropy=entropy, tokens=int(mask.sum()),
                           batch_size=int(mask.shape[0]), keeps_sampled=sim is not None)
 
