@@ -128,9 +128,6 @@ class SkipController:
         self.stand_in_blocks = frozenset(b for b in self.skippable
                                          if all(i in self._stand_ins for i in self.layout.layers_of_block(b)))
         """Skippable blocks whose layers all have stand-ins: a token skipping them still writes a delta."""
-        self.stand_in_share = {i: stand_in.flops_per_token() / self.costs[i].dense
-                               for i, stand_in in self._stand_ins.items()}
-        """Decoder layer index -> its stand-in's FLOPs per token as a share of the layer's context-free FLOPs."""
         self.bypassed_blocks = self.cacheless_blocks - self.stand_in_blocks
         """Blocks whose routed input nothing reads (`bypasses`): no token runs them, and no stand-in computes from
         it."""

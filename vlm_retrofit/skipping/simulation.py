@@ -68,6 +68,9 @@ class SkipSimulation(SkipController):
         self.skip_image_positions = bool(skip_image_positions)
         self.use_gates = bool(use_gates and adapter.config.skip_gate)
         self.generator = generator
+        self.stand_in_share = {i: stand_in.flops_per_token() / self.costs[i].dense
+                               for i, stand_in in self._stand_ins.items()}
+        """Decoder layer index -> its stand-in's FLOPs per token as a share of the layer's context-free FLOPs."""
         self._multiplier: dict[int, Tensor] = {}
         self.expected_keep: dict[int, Tensor] = {}
         self.realised_keep: dict[int, float] = {}
@@ -151,8 +154,5 @@ class SkipSimulation(SkipController):
         for block in range(self.layout.num_blocks):
             keep = keep_rates.get(block)
             for layer in self.layout.layers_of_block(block):
-                if keep is None:
-                    total = total + 1.0
-                else:
-                    total = total + keep + (1.0 - keep) * self.stand_in_share.get(layer, 0.0)
+                total = total + (1.0 if keep is None else keep + (1.0 - keep) * self.stand_in_share.get(layer, 0.0))
         return total
