@@ -30,6 +30,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "val for choosing a recipe (its text chunks follow the ones per-token policies calibrate "
                              "on; the caption calibration batches are val images too, so per-token policies read "
                              "in-sample there)")
+    parser.add_argument("--unit", default="layers", choices=["layers", "flops"],
+                        help="what the targets count: layer executions skipped (the table's rows), or decoder-layer "
+                             "FLOPs saved at decode (a per-token skip still writes its K/V and runs its stand-in): "
+                             "per-token rows at the FLOPs a static removal of the same target saves")
     parser.add_argument("--runs", default=str(RUNS),
                         help="where the benchmark caches its removal searches (per-token policies rank blocks there)")
     parser.add_argument("--out", default=None, help="JSON file for the records (default: ADAPTER/../measure.json)")
@@ -62,6 +66,7 @@ def prepare(args: argparse.Namespace, tool: str) -> tuple[Callable[[str], None],
     model, processor, data, load_model = load_for_measuring(args, manifest)
     bench = Bench(model, processor, data, args.new_tokens)
     bench.counted_on = args.counted_on
+    bench.unit = getattr(args, "unit", "layers")
     return log, bench, load_model
 
 

@@ -282,10 +282,14 @@ def test_calibrate_merge_generate_commands(trained, tmp_path, capsys):
     generating = saved["calibration_metrics"]["recent_weight"]["0.2000"]["generation_compute_saved"]
     assert f"| {generating:.3f} |" in card and "compute saved generating" in card
     assert 'skipping("recent_weight", target_saving=0.2)' in card  # the example runs what was calibrated
-    # Calibrating the release in place quotes the new calibration in its card (it stayed "Not calibrated" / stale).
-    assert main(["calibrate", "--model", str(tmp_path / "release"), "--target-saving", "0.3", "--batches", "2",
-                 "--no-skip-image-positions"]) == 0
-    assert "recent_weight | 0.30" in (tmp_path / "release" / "README.md").read_text()
+    assert "| recent_weight | 0.20 layers |" in card
+    # Calibrating the release in place quotes the new calibration in its card (it stayed "Not calibrated" / stale),
+    # with the unit its target counts.
+    capsys.readouterr()
+    assert main(["calibrate", "--model", str(tmp_path / "release"), "--target-saving", "0.25", "--batches", "2",
+                 "--no-skip-image-positions", "--unit", "flops"]) == 0
+    assert "target 25.0 % of decoder-layer FLOPs saved" in capsys.readouterr().out
+    assert "| recent_weight | 0.25 flops |" in (tmp_path / "release" / "README.md").read_text()
     Image.new("RGB", (40, 40), (250, 20, 20)).save(tmp_path / "red.png")
     capsys.readouterr()
     assert main(["generate", "--model", str(tmp_path / "release"), "--image", str(tmp_path / "red.png"),

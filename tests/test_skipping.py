@@ -7,8 +7,9 @@ import torch
 from transformers import DynamicCache
 
 from vlm_retrofit import RouterAdapter, RouterConfig, attach_routers
+from vlm_retrofit.errors import InputError
 from vlm_retrofit.skipping import (LayerCost, PatternPolicy, RandomPolicy, SkipSimulation, StaticPolicy, block_influence,
-                                   calibrate)
+                                   block_savings, calibrate)
 from vlm_retrofit.testing import tiny_inputs, tiny_vlm
 
 
@@ -319,6 +320,30 @@ def test_calibration_reaches_its_target_on_the_calibration_data(policy, tmp_path
         for batch in batches:
             fresh(**batch)
     assert report.skipped_layer_fraction == pytest.approx(result.achieved_saving, abs=1e-6)
+
+
+def test_calibration_in_flops_charges_a_per_token_skip_its_kv_write_and_a_removal_nothing():
+    model, processor, adapter, batches = _routed_with_gates()
+    cost = LayerCost.from_config(adapter.spec.get_text_config(model))
+    kept = 1 - cost.kv_projection / cost.dense  # a per-token skip still writes its K/V at decode
+    skippable = adapter.layout.skippable_blocks
+    assert {b: block_savings(adapter, "flops")[b] for b in skippable} == pytest.approx(dict.fromkeys(skippable, kept / 8))
+    assert {b: block_savings(adapter, "flops", removed=True)[b] for b in skippable} == pytest.approx(
+        dict.fromkeys(skippable, 1 / 8))
+    result = calibrate(adapter, batches, target_saving=0.25, policy="gate", unit="flops", store=False)
+    assert result.unit == "flops" and abs(result.achieved_saving - 0.25) <= 0.03, result.summary()
+    with torch.no_grad(), adapter.skipping("gate", **result.settings) as report:
+        for batch in batches:
+            model(**batch)
+    # More layers skipped than the FLOPs target: each skip saves `kept` of a layer.
+    assert report.skipped_layer_fraction * kept == pytest.approx(result.achieved_saving, abs=1e-6)
+    layers = calibrate(adapter, batches, target_saving=0.25, policy="gate", store=False)
+    assert report.skipped_layer_fraction > layers.achieved_saving
+    # A static removal writes no K/V: its FLOPs are its layers, the same blocks either way.
+    assert (calibrate(adapter, batches, 0.25, "static", unit="flops", store=False).settings
+            == calibrate(adapter, batches, 0.25, "static", store=False).settings)
+    with pytest.raises(InputError, match="unit must be one of layers, flops"):
+        calibrate(adapter, batches, 0.25, "gate", unit="seconds")
 
 
 def test_per_modality_calibration_skips_image_and_text_positions_at_the_same_rate():

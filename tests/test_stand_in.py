@@ -163,21 +163,23 @@ def test_simulation_with_stand_ins_is_the_inference_function_and_trains_them():
         assert adapter.stand_ins[str(layer)].weight.grad.abs().sum() > 0, layer
 
 
-def test_the_simulated_compute_counts_the_stand_ins_a_skipping_token_runs():
+def test_the_simulated_compute_counts_what_a_skipping_token_still_runs():
     # llama tiny: d=64, 6 layers, blocks 1-4 skippable; block 4 removed, blocks 1-3 sampled at drop rate 0.5.
     model, processor, adapter = _model()
     simulation = SkipSimulation(adapter, drop_rate=0.5, use_gates=False, generator=torch.Generator().manual_seed(0),
                                 removed_blocks=[4])
     with torch.no_grad(), simulation:
         model(**tiny_inputs(processor))
-    share = 2 * 64 * 64 / LayerCost.from_config(model.config).dense  # the stand-in's product against the layer's
-    assert simulation.stand_in_share == pytest.approx(dict.fromkeys(range(1, 5), share))
-    # Layers 0 and 5 run; a skipped layer costs its stand-in's share, block 4's stand-in runs for every token.
-    assert simulation.expected_compute().item() == pytest.approx((2 + 3 * (0.5 + 0.5 * share) + share) / 6)
+    cost = LayerCost.from_config(model.config)
+    stand_in = 2 * 64 * 64 / cost.dense  # the stand-in's product against the layer's
+    sampled = stand_in + cost.kv_projection / cost.dense  # a per-token skip also writes its K/V at decode
+    assert simulation.skipped_cost == pytest.approx({1: sampled, 2: sampled, 3: sampled, 4: stand_in})
+    # Layers 0 and 5 run; a skipped layer costs its share, block 4's stand-in runs for every token.
+    assert simulation.expected_compute().item() == pytest.approx((2 + 3 * (0.5 + 0.5 * sampled) + stand_in) / 6)
     realised = simulation.realised_keep
     assert 0 < realised[1] < 1 and realised[4] == 0.0
     assert simulation.realised_compute() == pytest.approx(
-        (2 + sum(realised[b] + (1 - realised[b]) * share for b in range(1, 5))) / 6)
+        (2 + sum(realised[b] + (1 - realised[b]) * sampled for b in range(1, 4)) + stand_in) / 6)
 
 
 def test_accounting_counts_the_stand_ins_products():

@@ -384,14 +384,17 @@ def _model_card(loaded: Loaded, config: dict[str, Any]) -> str:
         "",
     ]
     if adapter.calibration_metrics:
-        lines += ["Layer executions skipped on the calibration batches (teacher-forced, where the thresholds were set) and",
-                  "decoder-block compute saved while generating from their prompts (prefill included, where a block runs",
-                  "unless every token skips it): the second is what decoding saves.", "",
-                  "| policy | target saving | layer executions skipped | compute saved generating | token match vs unskipped |",
+        lines += ["The saving reached on the calibration batches (teacher-forced, where the thresholds were set; in the",
+                  "target's unit: layer executions skipped, or decoder-layer FLOPs saved) and decoder-block compute saved",
+                  "while generating from their prompts (prefill included, where a block runs unless every token skips",
+                  "it): the second is what decoding saves.", "",
+                  "| policy | target saving | reached on the calibration batches | compute saved generating | "
+                  "token match vs unskipped |",
                   "|---|---|---|---|---|"]
         for policy, targets in sorted(adapter.calibration_metrics.items()):
             for target, metrics in sorted(targets.items()):
-                lines.append(f"| {policy} | {float(target):.2f} | {metrics.get('achieved_saving', float('nan')):.3f} | "
+                lines.append(f"| {policy} | {float(target):.2f} {metrics.get('unit', 'layers')} | "
+                             f"{metrics.get('achieved_saving', float('nan')):.3f} | "
                              f"{metrics.get('generation_compute_saved', float('nan')):.3f} | "
                              f"{metrics.get('token_match', float('nan')):.3f} |")
     else:

@@ -92,8 +92,8 @@ class RouterAdapter(nn.Module):
         self._controller: Any = None
         self.calibration: dict[str, dict[str, dict[str, Any]]] = {}
         """Skip thresholds found by calibration: policy -> target saving -> policy settings."""
-        self.calibration_metrics: dict[str, dict[str, dict[str, float]]] = {}
-        """What calibration measured: policy -> target saving -> {achieved_saving, token_match, ...}."""
+        self.calibration_metrics: dict[str, dict[str, dict[str, Any]]] = {}
+        """What calibration measured: policy -> target saving -> {achieved_saving, unit, token_match, ...}."""
         self.companions: list[str] = []
         """Files beside the routers that the adapter folder it was saved in or loaded from needs (paths relative to
         it: its LoRA, its linear replacement). Recorded so that a copy without them is refused instead of loading

@@ -2,9 +2,11 @@
 
 from .accounting import LayerCost, SkipReport
 from .calibrate import (
+    UNITS,
     CalibrationResult,
     best_removal_span,
     block_influence,
+    block_savings,
     calibrate,
     candidate_blocks,
     greedy_removal_order,
@@ -28,6 +30,8 @@ from .simulation import SkipSimulation
 
 __all__ = [
     "CalibrationResult",
+    "UNITS",
+    "block_savings",
     "best_removal_span",
     "block_influence",
     "calibrate",

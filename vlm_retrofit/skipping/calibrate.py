@@ -31,10 +31,38 @@ class CalibrationResult:
     counted_on: str = "real positions"
     """Where the saving is counted: "real positions" (no padding), "text positions" (image placeholders kept from
     skipping are left out too) or "answer positions" (the batches' `loss_mask`: what decode steps run)."""
+    unit: str = "layers"
+    """What the saving counts (`calibrate`'s `unit`): "layers" (layer executions skipped) or "flops" (decoder-layer
+    FLOPs saved at decode)."""
 
     def summary(self) -> str:
-        return (f"{self.policy}: target {100 * self.target_saving:.1f} % of layer executions skipped, "
+        what = "of layer executions skipped" if self.unit == "layers" else "of decoder-layer FLOPs saved"
+        return (f"{self.policy}: target {100 * self.target_saving:.1f} % {what}, "
                 f"reached {100 * self.achieved_saving:.1f} % on the calibration data ({self.counted_on})")
+
+
+UNITS = ("layers", "flops")
+
+
+def block_savings(adapter: RouterAdapter, unit: str = "layers", *, removed: bool = False) -> dict[int, float]:
+    """What a token skipping each block saves, as a share of all the decoder layers it would run.
+
+    `unit="layers"`: the block's share of the layer executions. `"flops"`: its layers' share of the context-free
+    decoder FLOPs (`LayerCost.dense`), less what a skip still spends (`SkipController.skipped_layer_cost`): each
+    skipped layer's stand-in, if any, and, unless the block is `removed` for the whole context (a static policy),
+    its K/V write at decode. Attention over the context is left out: at the benchmark's caption lengths it is a few
+    percent of a layer, and a skip saves it too.
+    """
+    layout = adapter.layout
+    if unit not in UNITS:
+        raise InputError(f"unit must be one of {', '.join(UNITS)}, got {unit!r}")
+    if unit == "layers":
+        return {b: len(layout.layers_of_block(b)) / layout.num_layers for b in range(layout.num_blocks)}
+    controller = SkipController(adapter)
+    total = sum(cost.dense for cost in controller.costs)
+    return {b: sum(controller.costs[layer].dense * (1.0 - controller.skipped_layer_cost(layer, writes_cache=not removed))
+                   for layer in layout.layers_of_block(b)) / total
+            for b in range(layout.num_blocks)}
 
 
 def _score_fn(policy: str) -> Callable[[int, Any, RouterAdapter], Tensor]:
@@ -104,11 +132,6 @@ class _CountedSkips(SkipPolicy):
     @property
     def skip_rates(self) -> list[float]:
         return [self.skipped.get(b, 0) / max(1, self.tokens) for b in range(self.layout.num_blocks)]
-
-    @property
-    def skipped_layer_fraction(self) -> float:
-        layers = sum(count * len(self.layout.layers_of_block(b)) for b, count in self.skipped.items())
-        return layers / max(1, self.tokens * self.layout.num_layers)
 
 
 @torch.no_grad()
@@ -275,14 +298,16 @@ def _removal_kl(adapter: RouterAdapter, batches: list[dict[str, Any]], reference
     return total / max(count, 1)
 
 
-def static_prefix(order: list[int], layout, target_saving: float) -> list[int]:
-    """The shortest prefix of `order` that removes at least `target_saving` of the layers."""
-    chosen, removed = [], 0
+def static_prefix(order: list[int], layout, target_saving: float, savings: Mapping[int, float] | None = None
+                  ) -> list[int]:
+    """The shortest prefix of `order` that removes at least `target_saving` of the layers (or, given `savings`
+    per block, e.g. `block_savings(..., removed=True)`, that much of what they count)."""
+    chosen, removed = [], 0.0
     for block in order:
-        if removed / layout.num_layers >= target_saving - 1e-9:
+        if removed >= target_saving - 1e-9:
             break
         chosen.append(block)
-        removed += len(layout.layers_of_block(block))
+        removed += savings[block] if savings is not None else len(layout.layers_of_block(block)) / layout.num_layers
     return sorted(chosen)
 
 
@@ -307,11 +332,13 @@ def calibrate(adapter: RouterAdapter, batches: Iterable[Mapping[str, Any]], targ
               policy: str = "recent_weight", *, per_modality: bool = True, tolerance: float = 0.01,
               max_iterations: int = 16, store: bool = True, order: list[int] | None = None,
               candidates: int | Sequence[int] | None = None, skip_image_positions: bool | None = None,
-              counted_on: str | None = None) -> CalibrationResult:
+              counted_on: str | None = None, unit: str = "layers") -> CalibrationResult:
     """Find settings of `policy` that skip `target_saving` of all decoder-layer executions on `batches`.
 
     The saving is the token-level fraction of layer executions skipped (what a batch-1 decode saves, before
-    the kv-only cost). `recent_weight` and `gate` get one threshold per candidate block, set at the same
+    the kv-only cost), or with `unit="flops"` the fraction of the decoder layers' FLOPs a token saves at decode
+    (`block_savings`: a skipped layer's K/V write and stand-in still cost, 6.25 % and 9.4 % of a SmolLM2-135M layer).
+    Compare methods at matched FLOPs: a static removal writes no K/V, a per-token skip does. `recent_weight` and `gate` get one threshold per candidate block, set at the same
     quantile of each block's score distribution (and, with `per_modality`, separately for image and text
     positions); the quantile is found by bisection on runs *with* skipping, since skipping shifts the
     routing of later blocks. `static` removes a prefix of `order` (default: the adapter's trained
@@ -335,11 +362,12 @@ def calibrate(adapter: RouterAdapter, batches: Iterable[Mapping[str, Any]], targ
     positions' layer executions and 4 % of the answer tokens'. None: "response" where the adapter's compute target
     was counted there in training (`compute_counted_on`), else "real" or "text" as `skip_image_positions` says.
     With `store`, the result is kept in `adapter.calibration` (saved with the adapter) and
-    `adapter.skipping(policy, target_saving=...)` uses it.
+    `adapter.skipping(policy, target_saving=...)` uses it: one setting per policy and target, whatever its `unit`.
     """
     if policy not in POLICIES:
         raise InputError(f"unknown skip policy {policy!r}; valid policies: {', '.join(POLICIES)}")
     layout = adapter.layout
+    savings = block_savings(adapter, unit, removed=policy == "static")
     batches = list(batches)
     if not batches:
         raise InputError("calibration needs at least one batch")
@@ -368,28 +396,29 @@ def calibrate(adapter: RouterAdapter, batches: Iterable[Mapping[str, Any]], targ
     protect = {} if skip_image_positions else {"skip_image_positions": False}
 
     def skipped(settings: dict[str, Any]) -> tuple[float, list[float]]:
-        """(the fraction of the counted layer executions skipped, each block's skip rate) under `settings`."""
+        """(the saving at the counted positions, each block's skip rate there) under `settings`."""
         if answers is not None:
             counter = _CountedSkips(POLICIES[policy](**settings), layout)
             _run(adapter, batches, counter, answers)
-            return counter.skipped_layer_fraction, counter.skip_rates
-        report = _run(adapter, batches, POLICIES[policy](**settings)).report
-        if skip_image_positions:
-            return report.skipped_layer_fraction, report.skip_rates
-        return report.skipped_text_layer_fraction, report.text_skip_rates
+            rates = counter.skip_rates
+        else:
+            report = _run(adapter, batches, POLICIES[policy](**settings)).report
+            rates = report.skip_rates if skip_image_positions else report.text_skip_rates
+        return sum(rate * savings[block] for block, rate in enumerate(rates)), rates
     skippable_layers = sum(len(layout.layers_of_block(b)) for b in pool)
-    reachable = skippable_layers / layout.num_layers
-    if not 0 < target_saving <= reachable:
+    reachable = sum(savings[b] for b in pool)
+    if not 0 < target_saving <= reachable + 1e-9:
+        measure = "of the layers" if unit == "layers" else "of the decoder-layer FLOPs"
         raise InputError(f"target_saving must be in (0, {reachable:.3f}]: only {skippable_layers} of "
                          f"{layout.num_layers} layers are in the {'candidate' if candidates is not None else 'skippable'}"
-                         f" blocks {list(pool)}")
+                         f" blocks {list(pool)}, {100 * reachable:.1f} % {measure}")
 
     if policy == "static":
         order = order if order is not None else adapter.removal_order
         if order is None:
             influence = block_influence(adapter, batches)
             order = sorted(layout.skippable_blocks, key=influence.__getitem__)
-        settings: dict[str, Any] = {"blocks": static_prefix(list(order), layout, target_saving)}
+        settings: dict[str, Any] = {"blocks": static_prefix(list(order), layout, target_saving, savings)}
         problem = untrained_removal(adapter, settings["blocks"])
         if problem:  # measuring it is legitimate (how far the healing carries); shipping it is refused by merge
             warnings.warn(f"static calibration at target {target_saving}: {problem}", stacklevel=2)
@@ -412,7 +441,7 @@ def calibrate(adapter: RouterAdapter, batches: Iterable[Mapping[str, Any]], targ
     achieved, block_rates = skipped(settings)
     counted = ("answer positions" if answers is not None else "real positions" if skip_image_positions
                else "text positions")
-    result = CalibrationResult(policy, float(target_saving), settings, achieved, block_rates, counted)
+    result = CalibrationResult(policy, float(target_saving), settings, achieved, block_rates, counted, unit)
     if policy != "static" and abs(result.achieved_saving - target_saving) > tolerance:
         # Tied scores (recent_weight or gates on untrained routers: every token scores the same) give no quantile
         # between "skip none" and "skip all"; too few calibration tokens give coarse steps.

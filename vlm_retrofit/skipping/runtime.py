@@ -357,6 +357,15 @@ class SkipController:
         self._used += skip.to(torch.int32)
         return skip
 
+    def skipped_layer_cost(self, layer: int, writes_cache: bool) -> float:
+        """What a token still spends on decoder layer `layer` when it skips it, as a share of the layer's
+        context-free FLOPs: its stand-in's product (where it has one) and, with `writes_cache`, the kv-only write
+        later tokens read (a per-token skip at decode writes it; a block removed for the whole context does not)."""
+        cost = self.costs[layer]
+        stand_in = self._stand_ins.get(layer)
+        spent = (stand_in.flops_per_token() if stand_in is not None else 0) + (cost.kv_projection if writes_cache else 0)
+        return spent / cost.dense
+
     @property
     def cacheless_layers(self) -> frozenset[int]:
         """Layer indices of `cacheless_blocks`: a cache filled here holds no K/V for them."""

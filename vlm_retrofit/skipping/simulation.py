@@ -68,9 +68,10 @@ class SkipSimulation(SkipController):
         self.skip_image_positions = bool(skip_image_positions)
         self.use_gates = bool(use_gates and adapter.config.skip_gate)
         self.generator = generator
-        self.stand_in_share = {i: stand_in.flops_per_token() / self.costs[i].dense
-                               for i, stand_in in self._stand_ins.items()}
-        """Decoder layer index -> its stand-in's FLOPs per token as a share of the layer's context-free FLOPs."""
+        self.skipped_cost = {layer: self.skipped_layer_cost(layer, writes_cache=block not in self.removed_blocks)
+                             for block in self.skippable for layer in self.layout.layers_of_block(block)}
+        """Decoder layer index -> what a token skipping it still spends at decode, as a share of its context-free
+        FLOPs (`skipped_layer_cost`): a per-token skip writes its K/V, a removed block nothing; stand-ins run."""
         self._multiplier: dict[int, Tensor] = {}
         self.expected_keep: dict[int, Tensor] = {}
         self.realised_keep: dict[int, float] = {}
@@ -148,11 +149,11 @@ class SkipSimulation(SkipController):
 
     def _executed_layers(self, keep_rates: dict[int, Tensor] | dict[int, float]) -> Tensor | float:
         """Layer executions per counted token given each sampled block's keep rate (unsampled blocks run). A token
-        that skips a layer with a stand-in still runs the stand-in: it counts as the stand-in's share of the
-        layer's FLOPs, so a compute target is not met by skips that save less than they seem to."""
+        that skips a layer still writes its K/V at decode and runs its stand-in, if any: it counts as that share of
+        the layer's FLOPs (`skipped_cost`), so a compute target is not met by skips that save less than they seem to."""
         total: Tensor | float = 0.0
         for block in range(self.layout.num_blocks):
             keep = keep_rates.get(block)
             for layer in self.layout.layers_of_block(block):
-                total = total + (1.0 if keep is None else keep + (1.0 - keep) * self.stand_in_share.get(layer, 0.0))
+                total = total + (1.0 if keep is None else keep + (1.0 - keep) * self.skipped_cost[layer])
         return total

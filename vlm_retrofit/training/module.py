@@ -229,8 +229,9 @@ class RetrofitModule(pl.LightningModule):
                 (one per count, in that order) the removal schedule draws k from; null = uniform. E.g. `[1, 1, 1,
                 6, 1, 1, 1]` over 3..9 draws 6 removed blocks on half the steps and shares the rest among the
                 other counts: one adapter for every count, with more of the steps on one operating point.
-            compute_target: target expected executed fraction of decoder-block compute (e.g. 0.8; a skipped
-                layer's stand-in counts as its share of the layer's FLOPs); null = no compute penalty.
+            compute_target: target expected executed fraction of decoder-block compute (e.g. 0.8; a token
+                skipping a layer still writes its K/V at decode and runs its stand-in, if any: those count as
+                their share of the layer's FLOPs, ~6 % for SmolLM2's K/V); null = no compute penalty.
             compute_weight: weight of the compute penalty.
             compute_penalty: `squared` = weight * (expected - target)^2 (holds compute at the target);
                 `hinge` = weight * relu(expected - target) (only penalises running more than the target).
