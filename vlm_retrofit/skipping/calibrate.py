@@ -333,14 +333,14 @@ def calibrate(adapter: RouterAdapter, batches: Iterable[Mapping[str, Any]], targ
               max_iterations: int = 16, store: bool = True, order: list[int] | None = None,
               candidates: int | Sequence[int] | None = None, skip_image_positions: bool | None = None,
               counted_on: str | None = None, unit: str = "layers") -> CalibrationResult:
-    """Find settings of `policy` that skip `target_saving` of all decoder-layer executions on `batches`.
+    """Find settings of `policy` that skip `target_saving` of all decoder-layer executions (or FLOPs) on `batches`.
 
     The saving is the token-level fraction of layer executions skipped (what a batch-1 decode saves, before
     the kv-only cost), or with `unit="flops"` the fraction of the decoder layers' FLOPs a token saves at decode
-    (`block_savings`: a skipped layer's K/V write and stand-in still cost, 6.25 % and 9.4 % of a SmolLM2-135M layer).
-    Compare methods at matched FLOPs: a static removal writes no K/V, a per-token skip does. `recent_weight` and `gate` get one threshold per candidate block, set at the same
-    quantile of each block's score distribution (and, with `per_modality`, separately for image and text
-    positions); the quantile is found by bisection on runs *with* skipping, since skipping shifts the
+    (`block_savings`: a skipped layer's K/V write and stand-in still cost, 6.25 % and 9.4 % of a SmolLM2-135M
+    layer). Compare methods at matched FLOPs: a static removal writes no K/V, a per-token skip does.
+    `recent_weight` and `gate` get one threshold per candidate block, set at the same quantile of each block's
+    score distribution (and, with `per_modality`, separately for image and text positions); the quantile is found by bisection on runs *with* skipping, since skipping shifts the
     routing of later blocks. `static` removes a prefix of `order` (default: the adapter's trained
     `removal_order`, else the blocks by ascending Block Influence); `random` sets a rate.
 
