@@ -32,8 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "in-sample there)")
     parser.add_argument("--unit", default="layers", choices=["layers", "flops"],
                         help="what the targets count: layer executions skipped (the table's rows), or decoder-layer "
-                             "FLOPs saved at decode (a per-token skip still writes its K/V and runs its stand-in): "
-                             "per-token rows at the FLOPs a static removal of the same target saves")
+                             "FLOPs saved at decode (a per-token skip still writes its K/V and runs its stand-in), "
+                             "both counted on the teacher-forced calibration batches; the records report what each "
+                             "decode saved")
     parser.add_argument("--runs", default=str(RUNS),
                         help="where the benchmark caches its removal searches (per-token policies rank blocks there)")
     parser.add_argument("--out", default=None, help="JSON file for the records (default: ADAPTER/../measure.json)")

@@ -209,9 +209,9 @@ VARIANTS = {
     # nothing. Training-free, random skipping of the 9 cheapest layers read x1.31 instead of x1.87 with them at 20 %
     # (val text, `python -m bench.stand_in_probe`). Trained, seeds 0 / 1 on val: x1.068 / x1.062, x1.164 / x1.180,
     # x1.275 / x1.330 at 10 / 20 / 30 % against the recipe's x1.092-1.129, x1.280-1.363, x1.618-1.640 (HISTORY.md,
-    # "Stand-ins for skipped layers"). Retrained with the K/V writes and stand-ins in the compute estimate, seed 0:
-    # x1.051 / x1.150 / x1.248; with compute_weight 20 x1.069 / x1.163 / x1.260, rejected (HISTORY.md, "A skip's K/V
-    # write in the compute estimate").
+    # "Stand-ins for skipped layers"). Retrained with the K/V writes and stand-ins in the compute estimate, seeds 0 / 1:
+    # x1.051 / x1.067, x1.150 / x1.162, x1.248 / x1.261; seed 0 with compute_weight 20 x1.069 / x1.163 / x1.260,
+    # rejected (HISTORY.md, "A skip's K/V write in the compute estimate").
     "gate_lora_candidates_b2_stand_in": Variant("gate_lora_candidates_b2_stand_in", "gate",
                                                 {**B2_GATE_ROUTER, "skip_stand_in": True},
                                                 {**B2_CANDIDATE_GATES, "lora": GATE_LORA}),
