@@ -340,9 +340,10 @@ def calibrate(adapter: RouterAdapter, batches: Iterable[Mapping[str, Any]], targ
     (`block_savings`: a skipped layer's K/V write and stand-in still cost, 6.25 % and 9.4 % of a SmolLM2-135M
     layer). Compare methods at matched FLOPs: a static removal writes no K/V, a per-token skip does.
     `recent_weight` and `gate` get one threshold per candidate block, set at the same quantile of each block's
-    score distribution (and, with `per_modality`, separately for image and text positions); the quantile is found by bisection on runs *with* skipping, since skipping shifts the
-    routing of later blocks. `static` removes a prefix of `order` (default: the adapter's trained
-    `removal_order`, else the blocks by ascending Block Influence); `random` sets a rate.
+    score distribution (and, with `per_modality`, separately for image and text positions); the quantile is
+    found by bisection on runs *with* skipping, since skipping shifts the routing of later blocks. `static`
+    removes a prefix of `order` (default: the adapter's trained `removal_order`, else the blocks by ascending
+    Block Influence); `random` sets a rate.
 
     `candidates` (per-token policies): the blocks they may skip. None = every skippable block, each skipped for
     the same share of tokens; a count m = the m cheapest blocks by `order` (default: the adapter's
