@@ -35,6 +35,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "FLOPs saved at decode (a per-token skip still writes its K/V and runs its stand-in), "
                              "both counted on the teacher-forced calibration batches; the records report what each "
                              "decode saved")
+    parser.add_argument("--allocation", default="equal", choices=["equal", "shared"],
+                        help="per-token policies: each candidate block skips the same share of tokens (equal), or "
+                             "every candidate block has one threshold and skips what its scores put below it "
+                             "(shared; calibrate's allocation)")
     parser.add_argument("--runs", default=str(RUNS),
                         help="where the benchmark caches its removal searches (per-token policies rank blocks there)")
     parser.add_argument("--out", default=None, help="JSON file for the records (default: ADAPTER/../measure.json)")
@@ -68,6 +72,7 @@ def prepare(args: argparse.Namespace, tool: str) -> tuple[Callable[[str], None],
     bench = Bench(model, processor, data, args.new_tokens)
     bench.counted_on = args.counted_on
     bench.unit = getattr(args, "unit", "layers")
+    bench.allocation = getattr(args, "allocation", "equal")
     return log, bench, load_model
 
 

@@ -113,6 +113,7 @@ class Bench:
         self.speed_rounds = 4  # paired rounds (base and method side by side) per decode-speed ratio
         self.counted_on = OURS_COUNTED_ON  # where our per-token policies' targets are counted (`--counted-on`)
         self.unit = "layers"  # what a measured adapter's targets count (`bench.measure --unit`; calibrate's `unit`)
+        self.allocation = "equal"  # how per-token skipping is spread over candidate blocks (calibrate's `allocation`)
 
     @property
     def per_token_counted_on(self) -> str | None:
@@ -446,7 +447,8 @@ def measure_adapter(bench: Bench, name: str, policy: str, adapter_dir: Path, tar
         candidates = candidates_at(adapter, ranked, target) if ranked else None
         settings = calibrated_per_workload(adapter, data, target, policy, bench.tolerance,
                                            candidates=candidates, skip_image_positions=SKIP_IMAGE_POSITIONS,
-                                           counted_on=bench.per_token_counted_on, unit=bench.unit)
+                                           counted_on=bench.per_token_counted_on, unit=bench.unit,
+                                           allocation=bench.allocation if policy != "static" else "equal")
         methods, replaced = {}, False
         for workload, chosen in settings.items():
             methods[workload], replaced = with_replacement(
@@ -464,6 +466,8 @@ def measure_adapter(bench: Bench, name: str, policy: str, adapter_dir: Path, tar
             extra["counted_on"] = bench.per_token_counted_on
         if bench.unit != "layers":
             extra["target_unit"] = bench.unit
+        if policy != "static" and bench.allocation != "equal":
+            extra["allocation"] = bench.allocation
         records.append(_record(f"ours-{name}", target, metrics, **extra))
         log(f"ours-{name} @ {target:.2f}: {records[-1]}")
     order, layout, spec, router_config = adapter.removal_order, adapter.layout, adapter.spec, adapter.config
@@ -478,14 +482,16 @@ def measure_adapter(bench: Bench, name: str, policy: str, adapter_dir: Path, tar
 
 def calibrated_per_workload(adapter, data: EvalSet, target: float, policy: str, tolerance: float, *,
                             candidates: list[int] | None = None, skip_image_positions: bool | None = None,
-                            counted_on: str | None = None, unit: str = "layers") -> dict[str, dict[str, Any]]:
+                            counted_on: str | None = None, unit: str = "layers",
+                            allocation: str = "equal") -> dict[str, dict[str, Any]]:
     """`policy`'s settings at `target` for each workload ("captions", "text"), each calibrated on that workload's
     val batches, so that each realises the target where it is measured. Calibrated on both at once, a gate's
     thresholds skipped 36 % of the caption passes' layer executions and 5.5 % of the text's at the 20 % target.
     A static removal does not depend on the batches: one calibration serves both. A per-token policy skips only
     `candidates` (default: every skippable block), and image positions only with `skip_image_positions` (without,
     the caption target counts text positions); `counted_on="response"` counts the answer tokens instead (the
-    workloads' `loss_mask`). `unit`: what the target counts, layer executions or decoder-layer FLOPs (calibrate's)."""
+    workloads' `loss_mask`). `unit`: what the target counts, layer executions or decoder-layer FLOPs; `allocation`:
+    how a per-token policy's skipping is spread over its candidate blocks (both calibrate's)."""
     from vlm_retrofit import calibrate
 
     if policy == "static":
@@ -493,7 +499,7 @@ def calibrated_per_workload(adapter, data: EvalSet, target: float, policy: str, 
         return {workload: settings for workload in data.workloads()}
     return data.per_workload(lambda batches: calibrate(
         adapter, batches, target, policy, store=False, tolerance=tolerance, candidates=candidates,
-        skip_image_positions=skip_image_positions, counted_on=counted_on, unit=unit).settings)
+        skip_image_positions=skip_image_positions, counted_on=counted_on, unit=unit, allocation=allocation).settings)
 
 
 def cheapest_blocks(adapter, data: EvalSet, removal_order: list[int]) -> list[int]:

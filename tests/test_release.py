@@ -284,12 +284,15 @@ def test_calibrate_merge_generate_commands(trained, tmp_path, capsys):
     assert 'skipping("recent_weight", target_saving=0.2)' in card  # the example runs what was calibrated
     assert "| recent_weight | 0.20 layers |" in card
     # Calibrating the release in place quotes the new calibration in its card (it stayed "Not calibrated" / stale),
-    # with the unit its target counts.
+    # with the unit its target counts and how its skipping was spread over the blocks.
     capsys.readouterr()
     assert main(["calibrate", "--model", str(tmp_path / "release"), "--target-saving", "0.25", "--batches", "2",
-                 "--no-skip-image-positions", "--unit", "flops"]) == 0
+                 "--no-skip-image-positions", "--unit", "flops", "--allocation", "shared"]) == 0
     assert "target 25.0 % of decoder-layer FLOPs saved" in capsys.readouterr().out
-    assert "| recent_weight | 0.25 flops |" in (tmp_path / "release" / "README.md").read_text()
+    assert ("| recent_weight | 0.25 flops, one threshold shared by its blocks |"
+            in (tmp_path / "release" / "README.md").read_text())
+    released, _ = load_release(tmp_path / "release")
+    assert len(set(get_adapter(released).calibration["recent_weight"]["0.2500"]["thresholds"].values())) == 1
     Image.new("RGB", (40, 40), (250, 20, 20)).save(tmp_path / "red.png")
     capsys.readouterr()
     assert main(["generate", "--model", str(tmp_path / "release"), "--image", str(tmp_path / "red.png"),

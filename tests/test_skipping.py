@@ -346,6 +346,31 @@ def test_calibration_in_flops_charges_a_per_token_skip_its_kv_write_and_a_remova
         calibrate(adapter, batches, 0.25, "gate", unit="seconds")
 
 
+def test_shared_allocation_keeps_the_skipping_where_the_gates_put_it():
+    model, processor, adapter, batches = _routed_with_gates()
+    with torch.no_grad():  # scores spread around each gate's bias (3 at init): block 1 learned to run less, 5 more
+        for gate in adapter.gates.values():
+            gate.query.mul_(0.02)
+        adapter.gates["1"].bias.fill_(0.0)
+        adapter.gates["5"].bias.fill_(6.0)
+    equal = calibrate(adapter, batches, target_saving=0.25, policy="gate", store=False)
+    shared = calibrate(adapter, batches, target_saving=0.25, policy="gate", allocation="shared", store=False)
+    assert shared.allocation == "shared" and abs(shared.achieved_saving - 0.25) <= 0.03, shared.summary()
+    for key in ("threshold", "image_threshold"):  # one value for every block, per modality
+        assert len(set(shared.settings[key].values())) == 1, shared.settings
+    # Equal shares make block 5 take its part of the skipping; a shared threshold leaves it to block 1.
+    assert equal.skip_rates[5] > 0.2, equal.skip_rates
+    assert shared.skip_rates[1] > 0.9 and shared.skip_rates[5] < 0.05, shared.skip_rates
+    with torch.no_grad(), adapter.skipping("gate", **shared.settings) as report:
+        for batch in batches:
+            model(**batch)
+    assert report.skipped_layer_fraction == pytest.approx(shared.achieved_saving, abs=1e-6)
+    with pytest.raises(InputError, match="allocation must be one of equal, shared"):
+        calibrate(adapter, batches, 0.25, "gate", allocation="greedy")
+    with pytest.raises(InputError, match="static has no scores to threshold"):
+        calibrate(adapter, batches, 0.25, "static", allocation="shared")
+
+
 def test_per_modality_calibration_skips_image_and_text_positions_at_the_same_rate():
     # One gate threshold for both modalities skips them at whatever rates their score distributions give;
     # calibrated apart, each skips the same share of its positions (what a text workload will then realise).

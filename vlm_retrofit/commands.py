@@ -19,7 +19,7 @@ from .hardware import device_problem
 from .release import (HelpFormatter, Loaded, add_device_flag, add_dtype_flag, add_trust_remote_code_flag,
                       is_pruned_release, load_base_model, load_trained, refresh_model_card, summarize_pruning,
                       warn_about_slow_dtype)
-from .skipping import POLICIES, UNITS, SkipController, calibrate
+from .skipping import ALLOCATIONS, POLICIES, UNITS, SkipController, calibrate
 
 
 def _processor_name(loaded: Loaded, source: Path) -> str:
@@ -74,6 +74,10 @@ def calibrate_main(argv: list[str] | None = None) -> int:
                         help="per-token policies: skip only the N blocks cheapest to remove (the adapter's removal "
                              "order, else single-block removal impact on the calibration batches); default: every "
                              "skippable block, each skipped for the same share of tokens")
+    parser.add_argument("--allocation", default="equal", choices=list(ALLOCATIONS),
+                        help="per-token policies: how the skipping is spread over the blocks they may skip: equal = "
+                             "each block skips the same share of tokens; shared = one threshold for every block, so "
+                             "each skips the tokens its gate (or routing weight) puts below it, as training learned")
     parser.add_argument("--skip-image-positions", action=argparse.BooleanOptionalAction, default=None,
                         help="per-token policies: whether visual-placeholder positions may skip blocks; with "
                              "--no-skip-image-positions they run every block and the target counts text positions "
@@ -99,6 +103,9 @@ def calibrate_main(argv: list[str] | None = None) -> int:
     problems += [f"{option} must be at least 1, got {value}" for option, value in
                  (("--batches", ns.batches), ("--batch-size", ns.batch_size), ("--max-new-tokens", ns.max_new_tokens),
                   ("--candidates", ns.candidates)) if value is not None and value < 1]
+    if ns.allocation != "equal" and ns.policy in ("static", "random"):
+        problems.append(f"--allocation {ns.allocation} spreads a thresholded policy's skipping (gate, recent_weight); "
+                        f"--policy {ns.policy} has none to spread")
     if problems:  # before anything loads
         print(f"calibrate refused: {'; '.join(problems)}", file=sys.stderr)
         return 1
@@ -145,12 +152,14 @@ def calibrate_main(argv: list[str] | None = None) -> int:
     adapter = loaded.adapter
     for target in ns.target_saving:
         result = calibrate(adapter, batches, target, ns.policy, candidates=ns.candidates,
-                           skip_image_positions=ns.skip_image_positions, counted_on=ns.counted_on, unit=ns.unit)
+                           skip_image_positions=ns.skip_image_positions, counted_on=ns.counted_on, unit=ns.unit,
+                           allocation=ns.allocation)
         metrics, report = compare_generation(loaded.model, adapter, prompts, ns.policy, result.settings, tokenizer,
                                              max_new_tokens=ns.max_new_tokens)
         adapter.calibration_metrics.setdefault(ns.policy, {})[f"{target:.4f}"] = {
             "achieved_saving": result.achieved_saving,
             "unit": result.unit,
+            "allocation": result.allocation,
             "generation_compute_saved": metrics["skip/compute_saved"],
             "token_match": metrics["skip/token_match"],
             "rouge_l": metrics["skip/rouge_l"],

@@ -393,7 +393,8 @@ def _model_card(loaded: Loaded, config: dict[str, Any]) -> str:
                   "|---|---|---|---|---|"]
         for policy, targets in sorted(adapter.calibration_metrics.items()):
             for target, metrics in sorted(targets.items()):
-                lines.append(f"| {policy} | {float(target):.2f} {metrics.get('unit', 'layers')} | "
+                shared = ", one threshold shared by its blocks" if metrics.get("allocation") == "shared" else ""
+                lines.append(f"| {policy} | {float(target):.2f} {metrics.get('unit', 'layers')}{shared} | "
                              f"{metrics.get('achieved_saving', float('nan')):.3f} | "
                              f"{metrics.get('generation_compute_saved', float('nan')):.3f} | "
                              f"{metrics.get('token_match', float('nan')):.3f} |")

@@ -2,6 +2,7 @@
 
 from .accounting import LayerCost, SkipReport
 from .calibrate import (
+    ALLOCATIONS,
     UNITS,
     CalibrationResult,
     best_removal_span,
@@ -30,6 +31,7 @@ from .simulation import SkipSimulation
 
 __all__ = [
     "CalibrationResult",
+    "ALLOCATIONS",
     "UNITS",
     "block_savings",
     "best_removal_span",
