@@ -215,6 +215,15 @@ VARIANTS = {
     "gate_lora_candidates_b2_stand_in": Variant("gate_lora_candidates_b2_stand_in", "gate",
                                                 {**B2_GATE_ROUTER, "skip_stand_in": True},
                                                 {**B2_CANDIDATE_GATES, "lora": GATE_LORA}),
+    # `gate_lora_candidates_b2_stand_in` with its learning rate decayed (cosine to a tenth over the budget's wall
+    # clock, as the static healing's is) instead of constant: its training KL was flat over the last half of the
+    # budget (0.18-0.19), as the static healing's was at a constant rate before it decayed. Seed 0 on val: x0.988 /
+    # x1.041 / x1.132 / x1.227 at 0 / 10 / 20 / 30 % against x1.002 / x1.051 / x1.150 / x1.248, caption KL with
+    # skipping off 0.042 against 0.114 (HISTORY.md, "The stand-in gates with a decaying learning rate"); a second
+    # seed decides it.
+    "gate_lora_candidates_b2_stand_in_cosine": Variant("gate_lora_candidates_b2_stand_in_cosine", "gate",
+                                                       {**B2_GATE_ROUTER, "skip_stand_in": True},
+                                                       {**B2_CANDIDATE_GATES, "lora": GATE_LORA}, steps=240),
     # `gate_lora_candidates` as trained before 2026-12-06: its compute target counted on every text position (the
     # adapters trained then, without the key in their recipe, are stale for it).
     "gate_lora_candidates_text": Variant("gate_lora_candidates_text", "gate", {"block_size": 1, "skip_gate": True},

@@ -353,8 +353,8 @@ def calibrate(adapter: RouterAdapter, batches: Iterable[Mapping[str, Any]], targ
     removes a prefix of `order` (default: the adapter's trained `removal_order`, else the blocks by ascending
     Block Influence); `random` sets a rate.
 
-    `candidates` (per-token policies): the blocks they may skip. None = every skippable block, each skipped for
-    the same share of tokens; a count m = the m cheapest blocks by `order` (default: the adapter's
+    `candidates` (per-token policies): the blocks they may skip. None = every skippable block (spread over them as
+    `allocation` says); a count m = the m cheapest blocks by `order` (default: the adapter's
     `removal_order`, else single-block `removal_impact` on `batches`); or a list of blocks. None takes the
     adapter's `skip_candidates` when its training was restricted to them. Small models are
     dense: on SmolLM2-135M random per-token skipping of 20 % of layer executions spread over all skippable layers
