@@ -448,7 +448,7 @@ def measure_adapter(bench: Bench, name: str, policy: str, adapter_dir: Path, tar
         settings = calibrated_per_workload(adapter, data, target, policy, bench.tolerance,
                                            candidates=candidates, skip_image_positions=SKIP_IMAGE_POSITIONS,
                                            counted_on=bench.per_token_counted_on, unit=bench.unit,
-                                           allocation=bench.allocation if policy != "static" else "equal")
+                                           allocation=bench.allocation)  # a static removal has none to spread
         methods, replaced = {}, False
         for workload, chosen in settings.items():
             methods[workload], replaced = with_replacement(

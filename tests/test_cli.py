@@ -207,6 +207,8 @@ def test_bad_files_and_settings_are_refused_in_one_line_naming_them(tmp_path, ca
         (["calibrate", "--model", str(tmp_path / "garbage.ckpt")], "garbage.ckpt is not a readable checkpoint"),
         (["calibrate", "--model", str(tmp_path / "garbage.ckpt"), "--batch-size", "0", "--candidates", "0"],
          "--batch-size must be at least 1, got 0; --candidates must be at least 1, got 0"),
+        (["calibrate", "--model", str(tmp_path / "garbage.ckpt"), "--policy", "static", "--allocation", "shared"],
+         "allocation 'shared' spreads a thresholded policy's skipping"),
         (["merge", "--ckpt", str(tmp_path / "garbage.ckpt"), "--output", str(tmp_path / "out"), "--prune-target",
           "-0.2"], "--prune-target is a fraction of the decoder layers between 0 and 1, got -0.2"),
     ]

@@ -19,7 +19,7 @@ from .hardware import device_problem
 from .release import (HelpFormatter, Loaded, add_device_flag, add_dtype_flag, add_trust_remote_code_flag,
                       is_pruned_release, load_base_model, load_trained, refresh_model_card, summarize_pruning,
                       warn_about_slow_dtype)
-from .skipping import ALLOCATIONS, POLICIES, UNITS, SkipController, calibrate
+from .skipping import ALLOCATIONS, POLICIES, UNITS, SkipController, allocation_problem, calibrate
 
 
 def _processor_name(loaded: Loaded, source: Path) -> str:
@@ -103,9 +103,7 @@ def calibrate_main(argv: list[str] | None = None) -> int:
     problems += [f"{option} must be at least 1, got {value}" for option, value in
                  (("--batches", ns.batches), ("--batch-size", ns.batch_size), ("--max-new-tokens", ns.max_new_tokens),
                   ("--candidates", ns.candidates)) if value is not None and value < 1]
-    if ns.allocation != "equal" and ns.policy in ("static", "random"):
-        problems.append(f"--allocation {ns.allocation} spreads a thresholded policy's skipping (gate, recent_weight); "
-                        f"--policy {ns.policy} has none to spread")
+    problems += [problem] if (problem := allocation_problem(ns.policy, ns.allocation)) else []
     if problems:  # before anything loads
         print(f"calibrate refused: {'; '.join(problems)}", file=sys.stderr)
         return 1

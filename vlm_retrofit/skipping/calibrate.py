@@ -47,6 +47,16 @@ UNITS = ("layers", "flops")
 ALLOCATIONS = ("equal", "shared")
 
 
+def allocation_problem(policy: str, allocation: str) -> str | None:
+    """Why `calibrate` refuses `allocation` for `policy` (None: it takes it); commands check it before loading."""
+    if allocation not in ALLOCATIONS:
+        return f"allocation must be one of {', '.join(ALLOCATIONS)}, got {allocation!r}"
+    if allocation != "equal" and policy in ("static", "random"):
+        return (f"allocation {allocation!r} spreads a thresholded policy's skipping (gate, recent_weight); {policy} "
+                "has no scores to threshold: leave it at 'equal'")
+    return None
+
+
 def block_savings(adapter: RouterAdapter, unit: str = "layers", *, removed: bool = False) -> dict[int, float]:
     """What a token skipping each block saves, as a share of all the decoder layers it would run.
 
@@ -349,9 +359,8 @@ def calibrate(adapter: RouterAdapter, batches: Iterable[Mapping[str, Any]], targ
     (on the benchmark's stand-in gates, two seeds on val: level with equal shares, a little better at 20 % and in
     caption KL at 30 %, a little worse at 10 %; bench/HISTORY.md). Image and text positions get their own
     thresholds with `per_modality`; the quantile is found by bisection on runs *with* skipping, since skipping
-    shifts the routing of later blocks. `static`
-    removes a prefix of `order` (default: the adapter's trained `removal_order`, else the blocks by ascending
-    Block Influence); `random` sets a rate.
+    shifts the routing of later blocks. `static` removes a prefix of `order` (default: the adapter's trained
+    `removal_order`, else the blocks by ascending Block Influence); `random` sets a rate.
 
     `candidates` (per-token policies): the blocks they may skip. None = every skippable block (spread over them as
     `allocation` says); a count m = the m cheapest blocks by `order` (default: the adapter's
@@ -377,11 +386,8 @@ def calibrate(adapter: RouterAdapter, batches: Iterable[Mapping[str, Any]], targ
         raise InputError(f"unknown skip policy {policy!r}; valid policies: {', '.join(POLICIES)}")
     layout = adapter.layout
     savings = block_savings(adapter, unit, removed=policy == "static")
-    if allocation not in ALLOCATIONS:
-        raise InputError(f"allocation must be one of {', '.join(ALLOCATIONS)}, got {allocation!r}")
-    if allocation != "equal" and policy in ("static", "random"):
-        raise InputError(f"allocation={allocation!r} spreads a thresholded policy's skipping (gate, recent_weight); "
-                         f"{policy} has no scores to threshold: leave it at 'equal'")
+    if problem := allocation_problem(policy, allocation):
+        raise InputError(problem)
     batches = list(batches)
     if not batches:
         raise InputError("calibration needs at least one batch")
