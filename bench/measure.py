@@ -39,6 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="per-token policies: each candidate block skips the same share of tokens (equal), or "
                              "every candidate block has one threshold and skips what its scores put below it "
                              "(shared; calibrate's allocation)")
+    parser.add_argument("--candidates", default="scaled", choices=["scaled", "trained"],
+                        help="per-token policies: the blocks they may skip at each target, 1.5x as many of the "
+                             "cheapest as a static removal there takes (scaled, the table's rule), or every block "
+                             "the adapter's skipping was trained on (trained: its skip_candidates)")
     parser.add_argument("--runs", default=str(RUNS),
                         help="where the benchmark caches its removal searches (per-token policies rank blocks there)")
     parser.add_argument("--out", default=None, help="JSON file for the records (default: ADAPTER/../measure.json)")
@@ -73,6 +77,7 @@ def prepare(args: argparse.Namespace, tool: str) -> tuple[Callable[[str], None],
     bench.counted_on = args.counted_on
     bench.unit = getattr(args, "unit", "layers")
     bench.allocation = getattr(args, "allocation", "equal")
+    bench.candidate_rule = getattr(args, "candidates", "scaled")
     return log, bench, load_model
 
 

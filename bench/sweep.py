@@ -52,10 +52,21 @@ def candidate_count(layout, target: float) -> int:
     return min(len(layout.skippable_blocks), math.ceil(CANDIDATE_FACTOR * static - 1e-9))
 
 
-def candidates_at(adapter, order: list[int], target: float) -> list[int]:
-    """The blocks a per-token policy of `adapter` may skip at `target`: the first `candidate_count` of `order`."""
+CANDIDATE_RULES = ("scaled", "trained")
+"""How a measured adapter's per-token candidates are chosen at each target: `candidate_count` of the cheapest blocks
+(scaled), or the blocks its skipping was trained on (`skip_candidates`) at every target (trained; scaled for an
+adapter trained on every block)."""
+
+
+def candidates_at(adapter, order: list[int], target: float, rule: str = "scaled") -> list[int]:
+    """The blocks a per-token policy of `adapter` may skip at `target` under `rule` (`CANDIDATE_RULES`): the
+    first `candidate_count` of `order`, or the adapter's own `skip_candidates`."""
     from vlm_retrofit.skipping import candidate_blocks
 
+    if rule not in CANDIDATE_RULES:
+        raise ValueError(f"candidate rule must be one of {CANDIDATE_RULES}, got {rule!r}")
+    if rule == "trained" and adapter.skip_candidates:
+        return list(candidate_blocks(adapter, [], list(adapter.skip_candidates)))
     return list(candidate_blocks(adapter, [], candidate_count(adapter.layout, target), order=order))
 
 
@@ -114,6 +125,7 @@ class Bench:
         self.counted_on = OURS_COUNTED_ON  # where our per-token policies' targets are counted (`--counted-on`)
         self.unit = "layers"  # what a measured adapter's targets count (`bench.measure --unit`; calibrate's `unit`)
         self.allocation = "equal"  # how per-token skipping is spread over candidate blocks (calibrate's `allocation`)
+        self.candidate_rule = "scaled"  # which blocks a measured adapter's per-token policy may skip (CANDIDATE_RULES)
 
     @property
     def per_token_counted_on(self) -> str | None:
@@ -444,7 +456,7 @@ def measure_adapter(bench: Bench, name: str, policy: str, adapter_dir: Path, tar
     log(f"ours-{name} routers only: {records[-1]}")
     ranked = cheapest_blocks(adapter, data, removal_order) if policy != "static" else []
     for target in targets:
-        candidates = candidates_at(adapter, ranked, target) if ranked else None
+        candidates = candidates_at(adapter, ranked, target, bench.candidate_rule) if ranked else None
         settings = calibrated_per_workload(adapter, data, target, policy, bench.tolerance,
                                            candidates=candidates, skip_image_positions=SKIP_IMAGE_POSITIONS,
                                            counted_on=bench.per_token_counted_on, unit=bench.unit,
@@ -468,6 +480,8 @@ def measure_adapter(bench: Bench, name: str, policy: str, adapter_dir: Path, tar
             extra["target_unit"] = bench.unit
         if policy != "static" and bench.allocation != "equal":
             extra["allocation"] = bench.allocation
+        if candidates is not None and bench.candidate_rule != "scaled":
+            extra["candidate_rule"] = bench.candidate_rule
         records.append(_record(f"ours-{name}", target, metrics, **extra))
         log(f"ours-{name} @ {target:.2f}: {records[-1]}")
     order, layout, spec, router_config = adapter.removal_order, adapter.layout, adapter.spec, adapter.config

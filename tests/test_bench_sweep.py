@@ -901,6 +901,41 @@ def test_blocks_a_policy_was_trained_to_skip_come_first_among_its_candidates():
     assert cheapest_blocks(adapter, None, [1, 2, 3, 4]) == [2, 4, 1, 3]
 
 
+def test_the_trained_candidate_rule_skips_among_the_trained_blocks_at_every_target():
+    from bench.sweep import candidates_at
+
+    model, _ = tiny_vlm("llama", num_hidden_layers=10)
+    adapter = attach_routers(model, RouterConfig(block_size=1))
+    order = [5, 3, 7, 2, 6, 4, 1, 8]
+    # Scaled: 1.5x the static removal's blocks, cheapest first, whatever the adapter was trained on.
+    assert [candidates_at(adapter, order, t) for t in (0.1, 0.3)] == [[3, 5], [2, 3, 5, 6, 7]]
+    adapter.skip_candidates = [7, 4, 1]
+    assert [candidates_at(adapter, order, t, "trained") for t in (0.1, 0.3)] == [[1, 4, 7], [1, 4, 7]]
+    adapter.skip_candidates = None  # trained on every block: the scaled rule
+    assert candidates_at(adapter, order, 0.3, "trained") == candidates_at(adapter, order, 0.3)
+    with pytest.raises(ValueError, match="candidate rule"):
+        candidates_at(adapter, order, 0.3, "cheapest")
+
+
+def test_measure_adapter_under_the_trained_rule_skips_the_trained_blocks_and_says_so(tmp_path):
+    from bench.overhead import random_gates
+    from bench.sweep import measure_adapter
+
+    bench = _bench()
+    adapter = attach_routers(bench.model, RouterConfig(block_size=1, skip_gate=True))
+    random_gates(adapter)
+    adapter.skip_candidates = [2, 4]  # not the cheapest two of the order below
+    adapter.save_pretrained(tmp_path / "adapter")
+    adapter.detach()
+    bench.candidate_rule = "trained"
+    records = measure_adapter(bench, "x", "gate", tmp_path / "adapter", [0.1], 1.0, [3, 1, 2, 4],
+                              lambda: tiny_vlm("llama", num_hidden_layers=6)[0].eval(), lambda message: None)
+    routers_only, skipping = records
+    assert "candidate_blocks" not in routers_only
+    assert skipping["candidate_blocks"] == [2, 4] and skipping["candidate_rule"] == "trained"
+    assert skipping["tf_skipped_fraction"] == pytest.approx(0.1, abs=0.03)
+
+
 def _lora_adapter_folder(bench: Bench, folder: Path, removal_order: list[int]) -> None:
     """A LoRA-healed static adapter as `fit` exports it: identity routers with a removal order, the LoRA in lora/."""
     from peft import LoraConfig, get_peft_model
