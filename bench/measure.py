@@ -12,6 +12,7 @@ from typing import Any, Callable
 import torch
 
 from .run import RUNS, add_eval_arguments, load_for_measuring, machine, recorded_settings, repository_path
+from .sweep import CANDIDATE_RULES
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="per-token policies: each candidate block skips the same share of tokens (equal), or "
                              "every candidate block has one threshold and skips what its scores put below it "
                              "(shared; calibrate's allocation)")
-    parser.add_argument("--candidates", default="scaled", choices=["scaled", "trained"],
+    parser.add_argument("--candidates", default="scaled", choices=list(CANDIDATE_RULES),
                         help="per-token policies: the blocks they may skip at each target, 1.5x as many of the "
                              "cheapest as a static removal there takes (scaled, the table's rule), or every block "
                              "the adapter's skipping was trained on (trained: its skip_candidates)")

@@ -66,7 +66,7 @@ def candidates_at(adapter, order: list[int], target: float, rule: str = "scaled"
     if rule not in CANDIDATE_RULES:
         raise ValueError(f"candidate rule must be one of {CANDIDATE_RULES}, got {rule!r}")
     if rule == "trained" and adapter.skip_candidates:
-        return list(candidate_blocks(adapter, [], list(adapter.skip_candidates)))
+        return list(candidate_blocks(adapter, [], adapter.skip_candidates))
     return list(candidate_blocks(adapter, [], candidate_count(adapter.layout, target), order=order))
 
 
