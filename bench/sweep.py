@@ -454,9 +454,11 @@ def measure_adapter(bench: Bench, name: str, policy: str, adapter_dir: Path, tar
     # Trained routers with skipping off: what the retrofit itself costs before any block is skipped.
     records.append(_record(f"ours-{name}", 0.0, bench.measure(nullmethod, speed=False), compute_saved=0.0))
     log(f"ours-{name} routers only: {records[-1]}")
-    ranked = cheapest_blocks(adapter, data, removal_order) if policy != "static" else []
+    own_candidates = bench.candidate_rule == "trained" and adapter.skip_candidates  # no ranking needed
+    ranked = cheapest_blocks(adapter, data, removal_order) if policy != "static" and not own_candidates else []
     for target in targets:
-        candidates = candidates_at(adapter, ranked, target, bench.candidate_rule) if ranked else None
+        candidates = (candidates_at(adapter, ranked, target, bench.candidate_rule) if ranked or own_candidates
+                      else None)
         settings = calibrated_per_workload(adapter, data, target, policy, bench.tolerance,
                                            candidates=candidates, skip_image_positions=SKIP_IMAGE_POSITIONS,
                                            counted_on=bench.per_token_counted_on, unit=bench.unit,
@@ -519,8 +521,8 @@ def calibrated_per_workload(adapter, data: EvalSet, target: float, policy: str, 
 def cheapest_blocks(adapter, data: EvalSet, removal_order: list[int]) -> list[int]:
     """Skippable blocks of `adapter`, cheapest to remove first: `removal_order` (single layers ranked by removal
     impact in the base model on the pooled calibration batches) where its blocks are single layers, else ranked
-    by removal impact through the adapter's own routers on the same batches; the blocks its per-token skipping
-    was trained on (`skip_candidates`) go first."""
+    by removal impact through the adapter's own routers on the same batches. (A candidate count drawn from it
+    takes the blocks the adapter's skipping was trained on first: `candidate_blocks`.)"""
     from vlm_retrofit.skipping import removal_impact
 
     if adapter.config.block_size == 1:
@@ -528,8 +530,7 @@ def cheapest_blocks(adapter, data: EvalSet, removal_order: list[int]) -> list[in
     else:
         impact = removal_impact(adapter, data.calibration)
         ranked = sorted(impact, key=impact.__getitem__)
-    trained = adapter.skip_candidates or []  # gates trained on a few blocks only: those come first
-    return [b for b in ranked if b in trained] + [b for b in ranked if b not in trained]
+    return ranked
 
 
 def measure_pruned(bench: Bench, name: str, order: list[int], layout, spec, router_config, targets: list[float],

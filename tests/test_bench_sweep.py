@@ -892,13 +892,16 @@ def test_per_token_candidates_are_half_again_the_blocks_a_static_removal_takes()
 
 
 def test_blocks_a_policy_was_trained_to_skip_come_first_among_its_candidates():
-    from bench.sweep import cheapest_blocks
+    from bench.sweep import candidates_at, cheapest_blocks
 
     model, _ = tiny_vlm("llama", num_hidden_layers=6)
     adapter = attach_routers(model, RouterConfig(block_size=1))
-    assert cheapest_blocks(adapter, None, [1, 2, 3, 4]) == [1, 2, 3, 4]
+    ranked = cheapest_blocks(adapter, None, [1, 2, 3, 4])
+    assert ranked == [1, 2, 3, 4]
+    assert candidates_at(adapter, ranked, 0.3) == [1, 2, 3]  # candidate_count: 1.5 x the 2 blocks removed
     adapter.skip_candidates = [4, 2]
-    assert cheapest_blocks(adapter, None, [1, 2, 3, 4]) == [2, 4, 1, 3]
+    assert candidates_at(adapter, ranked, 0.3) == [1, 2, 4]
+    assert candidates_at(adapter, ranked, 0.15) == [2, 4]
 
 
 def test_the_trained_candidate_rule_skips_among_the_trained_blocks_at_every_target():

@@ -443,6 +443,22 @@ def test_calibration_restricted_to_candidate_blocks_skips_only_those(policy):
         calibrate(adapter, batches, 0.2, policy, store=False, candidates=9)
 
 
+def test_a_candidate_count_takes_the_blocks_skipping_was_trained_on_first():
+    # Gates trained on a few blocks only never learned to skip the others: a count ranks the trained ones first
+    # (cheapest first among them), then the rest of the order.
+    from vlm_retrofit.skipping import candidate_blocks
+
+    model, processor, adapter, batches = _routed_with_gates()
+    order = [6, 5, 4, 3, 2, 1]
+    assert candidate_blocks(adapter, batches, 2, order=order) == (5, 6)
+    adapter.skip_candidates = [1, 3, 4]
+    assert candidate_blocks(adapter, batches, 2, order=order) == (3, 4)
+    assert candidate_blocks(adapter, batches, 3, order=order) == (1, 3, 4)
+    assert candidate_blocks(adapter, batches, 4, order=order) == (1, 3, 4, 6)
+    result = calibrate(adapter, batches, 0.2, "gate", store=False, candidates=2, order=order, tolerance=0.03)
+    assert set(result.settings["threshold"]) == {3, 4} and result.skip_rates[1] == 0 < result.skip_rates[3], result.skip_rates
+
+
 @pytest.mark.parametrize("policy", ["recent_weight", "gate", "random"])
 def test_calibration_can_keep_image_positions_from_skipping(policy):
     # A batch-1 prefill saves nothing where some prompt token runs a block, so skipping image positions saves next

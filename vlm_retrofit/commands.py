@@ -72,8 +72,9 @@ def calibrate_main(argv: list[str] | None = None) -> int:
                              "whole blocks; random is the baseline")
     parser.add_argument("--candidates", type=int, default=None,
                         help="per-token policies: skip only the N blocks cheapest to remove (the adapter's removal "
-                             "order, else single-block removal impact on the calibration batches); default: every "
-                             "skippable block (spread over them as --allocation says)")
+                             "order, else single-block removal impact on the calibration batches), the blocks its "
+                             "skipping was trained on first; default: the blocks it was trained on, if training "
+                             "restricted them, else every skippable block (spread over them as --allocation says)")
     parser.add_argument("--allocation", default="equal", choices=list(ALLOCATIONS),
                         help="per-token policies: how the skipping is spread over the blocks they may skip: equal = "
                              "each block skips the same share of tokens; shared = one threshold for every block, so "

@@ -364,7 +364,8 @@ def calibrate(adapter: RouterAdapter, batches: Iterable[Mapping[str, Any]], targ
 
     `candidates` (per-token policies): the blocks they may skip. None = every skippable block (spread over them as
     `allocation` says); a count m = the m cheapest blocks by `order` (default: the adapter's
-    `removal_order`, else single-block `removal_impact` on `batches`); or a list of blocks. None takes the
+    `removal_order`, else single-block `removal_impact` on `batches`), those its skipping was trained on
+    (`skip_candidates`) first; or a list of blocks. None takes the
     adapter's `skip_candidates` when its training was restricted to them. Small models are
     dense: on SmolLM2-135M random per-token skipping of 20 % of layer executions spread over all skippable layers
     raised perplexity x36, spread over the 9 cheapest x1.9.
@@ -477,7 +478,8 @@ def candidate_blocks(adapter: RouterAdapter, batches: list[dict[str, Any]], cand
                      order: list[int] | None = None) -> tuple[int, ...]:
     """The blocks a per-token policy may skip (see `calibrate`): `candidates` itself when it lists blocks, else that
     many of the cheapest blocks by `order` (default: the adapter's `removal_order`, else ascending single-block
-    `removal_impact` on `batches`), in block order."""
+    `removal_impact` on `batches`), in block order. A count takes the blocks the adapter's per-token skipping was
+    trained on (`skip_candidates`) first, cheapest first: the others' gates never learned to skip."""
     layout = adapter.layout
     if isinstance(candidates, (int, float)) and not isinstance(candidates, bool):
         count = int(candidates)
@@ -490,6 +492,8 @@ def candidate_blocks(adapter: RouterAdapter, batches: list[dict[str, Any]], cand
             impact = removal_impact(adapter, batches)
             order = sorted(impact, key=impact.__getitem__)
         ranked = [int(b) for b in order if int(b) in layout.skippable_blocks]
+        trained = set(adapter.skip_candidates or ())
+        ranked = [b for b in ranked if b in trained] + [b for b in ranked if b not in trained]
         if len(ranked) < count:
             raise InputError(f"the order {list(order)} ranks {len(ranked)} skippable blocks, fewer than the "
                              f"{count} candidates asked for")
