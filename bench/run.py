@@ -134,6 +134,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="take the static / random / oracle records from <runs>/baselines.json when an earlier run "
                              "measured them with the same settings and base outputs; their decode speed is still "
                              "measured in this run")
+    parser.add_argument("--reuse-measured", action="store_true",
+                        help="take a trained variant's records from <runs>/<variant>/measured.json when an earlier run "
+                             "measured that adapter with the same settings and base outputs (its decode speed too): a "
+                             "run stopped while measuring goes on where it stopped")
     parser.add_argument("--out", default=None,
                         help="where RESULTS.md, results.json and pareto.png go (default: bench/, the recorded results; "
                              f"with `--variants` alone {BASELINES_OUT.relative_to(ROOT.parent)}, so that a baselines-only "
@@ -229,7 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     eval_settings = ("caption_samples", "new_tokens", "text_chunks", "chunk_tokens", "calibration_batches", "device", "dtype")
     records, overhead = sweep(bench, args.targets, variants, args.speed_target, removal_order, joint_order, load_model, runs, log,
                               baseline_key={k: getattr(args, k) for k in eval_settings},
-                              reuse_baselines=args.reuse_baselines, span_order=span_order)
+                              reuse_baselines=args.reuse_baselines, span_order=span_order,
+                              reuse_measured=args.reuse_measured)
     results = {
         "date": time.strftime("%Y-%m-%d"),
         "machine": machine(args),

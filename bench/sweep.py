@@ -363,18 +363,38 @@ def span_removal_order(model, calibration: list[dict[str, Any]], removal_order: 
 
 def sweep(bench: Bench, targets: list[float], variants: list, speed_target: float, removal_order: list[int],
           joint_order: list[int], load_model: Callable[[], Any], runs: Path, log: Callable[[str], None], *,
-          baseline_key: dict[str, Any] | None = None, reuse_baselines: bool = False, span_order: list[int] | None = None
-          ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+          baseline_key: dict[str, Any] | None = None, reuse_baselines: bool = False, span_order: list[int] | None = None,
+          reuse_measured: bool = False) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Every method at every target, one record each (a variant trained for one target, `removal_target`, at that
     target only, its decode speed measured there); plus the router overhead with skipping off
-    (`router_overhead`: wall-clock ratio to the base; `router_time_share`: routing's share of a routed decode)."""
+    (`router_overhead`: wall-clock ratio to the base; `router_time_share`: routing's share of a routed decode).
+
+    Each variant's records are kept beside its adapter (`bench.resume`); with `reuse_measured`, a variant an earlier
+    run measured under the same key (settings, base outputs, targets, trained adapter) is taken from there whole,
+    its decode speed included (records say `measured_in_earlier_run`), so a stopped run goes on where it stopped."""
+    from .resume import earlier_measurement, measured_key, store_measurement
+
     records: list[dict[str, Any]] = []
     overhead: dict[str, Any] = {"router_overhead": None, "router_time_share": None}
     for variant in variants:
         own = variant.removal_target  # one adapter per operating point: measured at its own target only
-        records += measure_adapter(bench, variant.name, variant.policy, runs / variant.name / "adapter",
-                                   targets if own is None else [own], speed_target if own is None else own,
-                                   removal_order, load_model, log, overhead=overhead)
+        variant_targets, variant_speed_target = (targets, speed_target) if own is None else ([own], own)
+        folder = runs / variant.name
+        key = measured_key(bench, folder, variant_targets, variant_speed_target, removal_order, baseline_key or {})
+        earlier = earlier_measurement(folder, key) if reuse_measured else None
+        if earlier is not None:
+            log(f"{variant.name}: reusing the records an earlier run measured ({folder / 'measured.json'})")
+            records += [{**record, "measured_in_earlier_run": True} for record in earlier["records"]]
+            if overhead["router_overhead"] is None and earlier["overhead"]:
+                overhead.update(earlier["overhead"])
+            continue
+        unmeasured = overhead["router_overhead"] is None
+        measured = measure_adapter(bench, variant.name, variant.policy, folder / "adapter", variant_targets,
+                                   variant_speed_target, removal_order, load_model, log, overhead=overhead)
+        own_overhead = ({k: v for k, v in overhead.items() if k.startswith("router_")}
+                        if unmeasured and overhead["router_overhead"] is not None else None)
+        store_measurement(folder, key, measured, own_overhead)
+        records += measured
     overhead["router_overhead_by_block_size"] = router_overhead_by_block_size(bench)
     log(f"router overhead by block size (routers at init): {overhead['router_overhead_by_block_size']}")
     records += measure_baselines(bench, targets, speed_target, removal_order, joint_order, log, cache=runs / "baselines.json",

@@ -1,5 +1,5 @@
-"""bench/sweep.py, report.py and run.py on a tiny model: baselines reused only under the same key; report files;
-the variant selection."""
+"""bench/sweep.py, report.py, resume.py and run.py on a tiny model: baselines and variants' records reused only under
+the same key; report files; the variant selection."""
 
 import dataclasses
 import json
@@ -1026,3 +1026,71 @@ def test_sparse_mlp_bench_times_the_prefill_side_by_side_and_defaults_to_the_gat
     with torch.no_grad():
         ratio = prefill_ratio(model, inputs, static, adapter.disabled, rounds=2)
     assert ratio > 0 and entered == ["static"] * 3  # one untimed call, then one per round
+
+
+def test_a_variant_measured_by_an_earlier_run_is_reused_only_under_the_same_key(tmp_path, monkeypatch):
+    # A run stopped while measuring goes on where it stopped: each variant's records are kept beside its adapter and
+    # taken back whole (decode speed and the router overhead measured on it included) while nothing they depend on
+    # changed; a retrained adapter, other settings or no --reuse-measured measure it again.
+    import bench.sweep as sweep_module
+    from bench.overhead import random_gates
+
+    bench = _bench()
+    bench.speed_rounds = 1
+    runs = tmp_path / "runs"
+    adapter = attach_routers(bench.model, RouterConfig(block_size=1, skip_gate=True))
+    random_gates(adapter)
+    adapter.save_pretrained(runs / "gates" / "adapter")
+    adapter.detach()
+    (runs / "gates" / "train_info.json").write_text(json.dumps({"steps": 3}))
+    variant = dataclasses.replace(VARIANTS["gate"], name="gates")
+    monkeypatch.setattr(sweep_module, "measure_baselines", lambda *args, **kwargs: [])
+    monkeypatch.setattr(sweep_module, "router_overhead_by_block_size", lambda bench: {})
+    monkeypatch.setattr(sweep_module, "router_overhead", lambda bench, adapter: (1.01, 0.05))  # 24 timed rounds
+    measured = []
+    real_measure_adapter = sweep_module.measure_adapter
+    monkeypatch.setattr(sweep_module, "measure_adapter",
+                        lambda *args, **kwargs: measured.append(args[1]) or real_measure_adapter(*args, **kwargs))
+
+    def run(reuse: bool, speed_target: float = 0.2):  # (1.0: no point to time, and another key)
+        return sweep_module.sweep(bench, [0.2], [variant], speed_target, [3, 1, 2, 4], [3, 1, 2, 4],
+                                  lambda: tiny_vlm("llama", num_hidden_layers=6)[0].eval(), runs, lambda message: None,
+                                  baseline_key={"caption_samples": 2}, reuse_measured=reuse)
+
+    first, overhead = run(reuse=False)
+    assert measured == ["gates"] and [r["target"] for r in first] == [0.0, 0.2]
+    assert overhead["router_overhead"] == 1.01 and "decode_speedup_b1" in first[1]
+    stored = json.loads((runs / "gates" / "measured.json").read_text())
+    assert json.dumps(stored["records"]) == json.dumps(first)  # (NaN where the tiny base's ROUGE-L is 0)
+    assert stored["overhead"]["router_overhead"] == overhead["router_overhead"]
+    # Poison the stored quality: a reused record must come from the file, not from a fresh measurement.
+    for record in stored["records"]:
+        record["agreement"] = -1.0
+    stored["overhead"]["router_overhead"] = 7.0
+    (runs / "gates" / "measured.json").write_text(json.dumps(stored))
+
+    reused, reused_overhead = run(reuse=True)
+    assert measured == ["gates"]
+    assert all(r["measured_in_earlier_run"] and r["agreement"] == -1.0 for r in reused)
+    assert json.dumps([{k: v for k, v in r.items() if k not in ("agreement", "measured_in_earlier_run")}
+                       for r in reused]) == json.dumps([{k: v for k, v in r.items() if k != "agreement"} for r in first])
+    assert reused_overhead["router_overhead"] == 7.0
+    run(reuse=True, speed_target=1.0)  # other settings: measured again, and stored under them
+    assert measured == ["gates"] * 2
+    assert run(reuse=True, speed_target=1.0)[0][0]["measured_in_earlier_run"] and measured == ["gates"] * 2
+    (runs / "gates" / "train_info.json").write_text(json.dumps({"steps": 4}))  # retrained
+    assert "measured_in_earlier_run" not in run(reuse=True, speed_target=1.0)[0][0] and measured == ["gates"] * 3
+
+
+def test_an_unreadable_or_foreign_measurement_file_is_not_reused(tmp_path):
+    from bench.resume import earlier_measurement, store_measurement
+
+    key = {"caption_samples": 2, "targets": [0.2]}
+    assert earlier_measurement(tmp_path, key) is None  # none stored
+    store_measurement(tmp_path, key, [{"method": "ours-x", "target": 0.2}], None)
+    assert earlier_measurement(tmp_path, key)["records"] == [{"method": "ours-x", "target": 0.2}]
+    assert earlier_measurement(tmp_path, {**key, "targets": [0.3]}) is None
+    (tmp_path / "measured.json").write_text('{"key": ')  # cut short by hand: measured again, not a crash
+    assert earlier_measurement(tmp_path, key) is None
+    (tmp_path / "measured.json").write_text("[1, 2]")
+    assert earlier_measurement(tmp_path, key) is None
