@@ -175,6 +175,14 @@ def write_report(results: dict[str, Any], out_dir: Path) -> None:
         # A rebuilt projector changes every caption figure (not the text perplexity): name the build measured.
         lines.append(f"* real VLM build: weights {results['backbone_weights']}, base captions "
                      f"{results['base'].get('continuations', '?')} (caption figures compare only within one build)")
+    reused = {flag: sorted({r["method"] for r in results["records"] if r.get(flag)})
+              for flag in ("measured_in_earlier_run", "quality_from_earlier_run")}
+    if reused["measured_in_earlier_run"]:
+        lines.append("* measured by an earlier run with the same settings and base outputs, decode speed included "
+                     "(`--reuse-measured`): " + ", ".join(f"`{m}`" for m in reused["measured_in_earlier_run"]))
+    if reused["quality_from_earlier_run"]:
+        lines.append("* quality from an earlier run with the same settings and base outputs, decode speed timed in this "
+                     "run (`--reuse-baselines`): " + ", ".join(f"`{m}`" for m in reused["quality_from_earlier_run"]))
     lines += [
         f"* router overhead with skipping off (retrofit ÷ base decode time, batch 1"
         + (f"; routers of {results['router_overhead_measured_on']}" if results.get("router_overhead_measured_on") else "")

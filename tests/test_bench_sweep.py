@@ -302,6 +302,13 @@ def test_report_writes_json_markdown_and_plot(tmp_path):
     write_report(results, out)
     assert json.loads((out / "results.json").read_text())["records"] == [record, kept]
     table = (out / "RESULTS.md").read_text()
+    assert "earlier run" not in table
+    # Records taken from earlier runs are named as such above the table.
+    write_report({**results, "records": [{**record, "quality_from_earlier_run": True},
+                                         {**kept, "measured_in_earlier_run": True}]}, tmp_path / "reused")
+    reused = (tmp_path / "reused" / "RESULTS.md").read_text()
+    assert "decode speed included (`--reuse-measured`): `ours-gate`" in reused
+    assert "decode speed timed in this run (`--reuse-baselines`): `static-greedy-impact`" in reused
     assert "| static-greedy-impact | 0.20 | 0.190 |" in table and "router overhead" in table
     assert "| 1.100 (1.04–1.16) | – |" in table  # the median of the paired rounds with their range
     assert "4.0%, i.e. overhead 1.042" in table
