@@ -13,9 +13,10 @@ MEASURED_FILE = "measured.json"
 
 def measured_key(bench, variant_dir: Path, targets: list[float], speed_target: float, removal_order: list[int],
                  settings: dict[str, Any]) -> dict[str, Any]:
-    """What a variant's records depend on: the run's eval `settings`, the base's outputs on the eval set, the targets,
-    the removal order that ranks candidate blocks, how per-token targets are calibrated and counted, and the
-    trained adapter itself (its `train_info.json`: a retrained adapter gets another)."""
+    """What a variant's records depend on: the run's `settings` (eval settings, the machine its speed is timed on,
+    the policy, how per-token candidates are drawn), the base's outputs on the eval set, the targets, the removal
+    order that ranks candidate blocks, how per-token targets are calibrated and counted, and the trained adapter
+    itself (its `train_info.json`: a retrained adapter gets another)."""
     train_info = (variant_dir / "train_info.json").read_bytes()
     return {**settings, "base": bench.fingerprint(), "targets": [float(t) for t in targets],
             "speed_target": float(speed_target), "removal_order": [int(b) for b in removal_order],

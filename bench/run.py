@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     records, overhead = sweep(bench, args.targets, variants, args.speed_target, removal_order, joint_order, load_model, runs, log,
                               baseline_key={k: getattr(args, k) for k in eval_settings},
                               reuse_baselines=args.reuse_baselines, span_order=span_order,
-                              reuse_measured=args.reuse_measured)
+                              reuse_measured=args.reuse_measured, machine=machine(args))
     results = {
         "date": time.strftime("%Y-%m-%d"),
         "machine": machine(args),

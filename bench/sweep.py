@@ -53,14 +53,14 @@ def candidate_count(layout, target: float) -> int:
 
 
 CANDIDATE_RULES = ("scaled", "trained")
-"""How a measured adapter's per-token candidates are chosen at each target: `candidate_count` of the cheapest blocks
-(scaled), or the blocks its skipping was trained on (`skip_candidates`) at every target (trained; scaled for an
+"""How a measured adapter's per-token candidates are chosen at each target: `candidate_count` of the cheapest blocks,
+those its skipping was trained on first (scaled), or the blocks its skipping was trained on (`skip_candidates`) at every target (trained; scaled for an
 adapter trained on every block)."""
 
 
 def candidates_at(adapter, order: list[int], target: float, rule: str = "scaled") -> list[int]:
     """The blocks a per-token policy of `adapter` may skip at `target` under `rule` (`CANDIDATE_RULES`): the
-    first `candidate_count` of `order`, or the adapter's own `skip_candidates`."""
+    first `candidate_count` of `order` (its trained `skip_candidates` first), or its own `skip_candidates`."""
     from vlm_retrofit.skipping import candidate_blocks
 
     if rule not in CANDIDATE_RULES:
@@ -364,14 +364,15 @@ def span_removal_order(model, calibration: list[dict[str, Any]], removal_order: 
 def sweep(bench: Bench, targets: list[float], variants: list, speed_target: float, removal_order: list[int],
           joint_order: list[int], load_model: Callable[[], Any], runs: Path, log: Callable[[str], None], *,
           baseline_key: dict[str, Any] | None = None, reuse_baselines: bool = False, span_order: list[int] | None = None,
-          reuse_measured: bool = False) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+          reuse_measured: bool = False, machine: str = "") -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Every method at every target, one record each (a variant trained for one target, `removal_target`, at that
     target only, its decode speed measured there); plus the router overhead with skipping off
     (`router_overhead`: wall-clock ratio to the base; `router_time_share`: routing's share of a routed decode).
 
     Each variant's records are kept beside its adapter (`bench.resume`); with `reuse_measured`, a variant an earlier
-    run measured under the same key (settings, base outputs, targets, trained adapter) is taken from there whole,
-    its decode speed included (records say `measured_in_earlier_run`), so a stopped run goes on where it stopped."""
+    run measured under the same key (settings, `machine`, base outputs, targets, policy, trained adapter) is taken
+    from there whole, its decode speed included (records say `measured_in_earlier_run`), so a stopped run goes on
+    where it stopped; except a variant the router overhead would be measured on here, and was not there."""
     from .resume import earlier_measurement, measured_key, store_measurement
 
     records: list[dict[str, Any]] = []
@@ -380,8 +381,13 @@ def sweep(bench: Bench, targets: list[float], variants: list, speed_target: floa
         own = variant.removal_target  # one adapter per operating point: measured at its own target only
         variant_targets, variant_speed_target = (targets, speed_target) if own is None else ([own], own)
         folder = runs / variant.name
-        key = measured_key(bench, folder, variant_targets, variant_speed_target, removal_order, baseline_key or {})
+        settings = {**(baseline_key or {}), "machine": machine, "policy": variant.policy,
+                    "per_token": {"candidate_factor": CANDIDATE_FACTOR, "skip_image_positions": SKIP_IMAGE_POSITIONS}}
+        key = measured_key(bench, folder, variant_targets, variant_speed_target, removal_order, settings)
         earlier = earlier_measurement(folder, key) if reuse_measured else None
+        if (earlier is not None and overhead["router_overhead"] is None and not earlier["overhead"]
+                and not (folder / "adapter" / "lora").is_dir()):
+            earlier = None  # routers on the base itself, and no overhead yet: measured here, as a fresh run would
         if earlier is not None:
             log(f"{variant.name}: reusing the records an earlier run measured ({folder / 'measured.json'})")
             records += [{**record, "measured_in_earlier_run": True} for record in earlier["records"]]
@@ -474,7 +480,7 @@ def measure_adapter(bench: Bench, name: str, policy: str, adapter_dir: Path, tar
     # Trained routers with skipping off: what the retrofit itself costs before any block is skipped.
     records.append(_record(f"ours-{name}", 0.0, bench.measure(nullmethod, speed=False), compute_saved=0.0))
     log(f"ours-{name} routers only: {records[-1]}")
-    own_candidates = bench.candidate_rule == "trained" and adapter.skip_candidates  # no ranking needed
+    own_candidates = policy != "static" and bench.candidate_rule == "trained" and bool(adapter.skip_candidates)
     ranked = cheapest_blocks(adapter, data, removal_order) if policy != "static" and not own_candidates else []
     for target in targets:
         candidates = (candidates_at(adapter, ranked, target, bench.candidate_rule) if ranked or own_candidates

@@ -1059,10 +1059,10 @@ def test_a_variant_measured_by_an_earlier_run_is_reused_only_under_the_same_key(
     monkeypatch.setattr(sweep_module, "measure_adapter",
                         lambda *args, **kwargs: measured.append(args[1]) or real_measure_adapter(*args, **kwargs))
 
-    def run(reuse: bool, speed_target: float = 0.2):  # (1.0: no point to time, and another key)
+    def run(reuse: bool, speed_target: float = 0.2, machine: str = "cpu A"):  # (1.0: no point to time)
         return sweep_module.sweep(bench, [0.2], [variant], speed_target, [3, 1, 2, 4], [3, 1, 2, 4],
                                   lambda: tiny_vlm("llama", num_hidden_layers=6)[0].eval(), runs, lambda message: None,
-                                  baseline_key={"caption_samples": 2}, reuse_measured=reuse)
+                                  baseline_key={"caption_samples": 2}, reuse_measured=reuse, machine=machine)
 
     first, overhead = run(reuse=False)
     assert measured == ["gates"] and [r["target"] for r in first] == [0.0, 0.2]
@@ -1085,8 +1085,15 @@ def test_a_variant_measured_by_an_earlier_run_is_reused_only_under_the_same_key(
     run(reuse=True, speed_target=1.0)  # other settings: measured again, and stored under them
     assert measured == ["gates"] * 2
     assert run(reuse=True, speed_target=1.0)[0][0]["measured_in_earlier_run"] and measured == ["gates"] * 2
+    run(reuse=True, speed_target=1.0, machine="cpu B")  # timed on another machine: measured again
+    assert measured == ["gates"] * 3
     (runs / "gates" / "train_info.json").write_text(json.dumps({"steps": 4}))  # retrained
-    assert "measured_in_earlier_run" not in run(reuse=True, speed_target=1.0)[0][0] and measured == ["gates"] * 3
+    assert "measured_in_earlier_run" not in run(reuse=True, speed_target=1.0)[0][0] and measured == ["gates"] * 4
+    # Routers on the base whose stored run did not time the overhead: this run would time it on them, so they are
+    # measured again rather than leave the overhead unmeasured.
+    stored = json.loads((runs / "gates" / "measured.json").read_text())
+    (runs / "gates" / "measured.json").write_text(json.dumps({**stored, "overhead": None}))
+    assert run(reuse=True, speed_target=1.0)[1]["router_overhead"] == 1.01 and measured == ["gates"] * 5
 
 
 def test_an_unreadable_or_foreign_measurement_file_is_not_reused(tmp_path):
