@@ -691,6 +691,8 @@ def test_one_adapter_per_operating_point_trains_and_is_measured_at_its_own_targe
                         measured.append((name, targets, speed_target)) or [])
     monkeypatch.setattr(bench.sweep, "measure_baselines", lambda *a, **k: [])
     monkeypatch.setattr(bench.sweep, "router_overhead_by_block_size", lambda *a, **k: {})
+    monkeypatch.setattr("bench.resume.measured_key", lambda *a, **k: {})  # no trained adapters, no bench here
+    monkeypatch.setattr("bench.resume.store_measurement", lambda *a, **k: None)
     bench.sweep.sweep(None, [0.1, 0.2, 0.3], [VARIANTS["lora_mlp_span"], t10, t30], 0.2, [1, 2, 3], [3, 1, 2],
                       lambda: None, Path("runs"), lambda message: None)
     assert measured == [("lora_mlp_span", [0.1, 0.2, 0.3], 0.2), ("lora_mlp_span_t10", [0.1], 0.1),
