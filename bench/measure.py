@@ -42,8 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "(shared; calibrate's allocation)")
     parser.add_argument("--candidates", default="scaled", choices=list(CANDIDATE_RULES),
                         help="per-token policies: the blocks they may skip at each target, 1.5x as many of the "
-                             "cheapest as a static removal there takes (scaled, the table's rule), or every block "
-                             "the adapter's skipping was trained on (trained: its skip_candidates)")
+                             "cheapest as a static removal there takes, the trained ones first (scaled, the table's "
+                             "rule), or every block the adapter's skipping was trained on (trained: its "
+                             "skip_candidates)")
     parser.add_argument("--runs", default=str(RUNS),
                         help="where the benchmark caches its removal searches (per-token policies rank blocks there)")
     parser.add_argument("--out", default=None, help="JSON file for the records (default: ADAPTER/../measure.json)")

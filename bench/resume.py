@@ -11,6 +11,13 @@ MEASURED_FILE = "measured.json"
 """Beside a variant's `adapter/` and `train_info.json` under `--runs`: the records the last run measured on it."""
 
 
+def run_key(bench, targets: list[float], speed_target: float, removal_order: list[int]) -> dict[str, Any]:
+    """What every stored measurement of a run depends on (the baselines' and each variant's): the targets, where
+    decode speed is timed, the removal order that ranks blocks, and the base's outputs on the eval set."""
+    return {"targets": list(targets), "speed_target": speed_target, "removal_order": list(removal_order),
+            "base": bench.fingerprint()}
+
+
 def measured_key(bench, variant_dir: Path, targets: list[float], speed_target: float, removal_order: list[int],
                  settings: dict[str, Any]) -> dict[str, Any]:
     """What a variant's records depend on: the run's `settings` (eval settings, the machine its speed is timed on,
@@ -18,9 +25,7 @@ def measured_key(bench, variant_dir: Path, targets: list[float], speed_target: f
     order that ranks candidate blocks, how per-token targets are calibrated and counted, and the trained adapter
     itself (its `train_info.json`: a retrained adapter gets another)."""
     train_info = (variant_dir / "train_info.json").read_bytes()
-    return {**settings, "base": bench.fingerprint(), "targets": [float(t) for t in targets],
-            "speed_target": float(speed_target), "removal_order": [int(b) for b in removal_order],
-            "tolerance": bench.tolerance, "speed_rounds": bench.speed_rounds, "counted_on": bench.counted_on,
+    return {**settings, **run_key(bench, targets, speed_target, removal_order), "tolerance": bench.tolerance, "speed_rounds": bench.speed_rounds, "counted_on": bench.counted_on,
             "unit": bench.unit, "allocation": bench.allocation, "candidate_rule": bench.candidate_rule,
             "train_info": hashlib.sha256(train_info).hexdigest()[:16]}
 

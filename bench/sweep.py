@@ -54,8 +54,8 @@ def candidate_count(layout, target: float) -> int:
 
 CANDIDATE_RULES = ("scaled", "trained")
 """How a measured adapter's per-token candidates are chosen at each target: `candidate_count` of the cheapest blocks,
-those its skipping was trained on first (scaled), or the blocks its skipping was trained on (`skip_candidates`) at every target (trained; scaled for an
-adapter trained on every block)."""
+those its skipping was trained on first (scaled), or the blocks its skipping was trained on (`skip_candidates`) at
+every target (trained; scaled for an adapter trained on every block)."""
 
 
 def candidates_at(adapter, order: list[int], target: float, rule: str = "scaled") -> list[int]:
@@ -397,9 +397,8 @@ def sweep(bench: Bench, targets: list[float], variants: list, speed_target: floa
         unmeasured = overhead["router_overhead"] is None
         measured = measure_adapter(bench, variant.name, variant.policy, folder / "adapter", variant_targets,
                                    variant_speed_target, removal_order, load_model, log, overhead=overhead)
-        own_overhead = ({k: v for k, v in overhead.items() if k.startswith("router_")}
-                        if unmeasured and overhead["router_overhead"] is not None else None)
-        store_measurement(folder, key, measured, own_overhead)
+        timed_here = unmeasured and overhead["router_overhead"] is not None  # on this variant's routers
+        store_measurement(folder, key, measured, dict(overhead) if timed_here else None)
         records += measured
     overhead["router_overhead_by_block_size"] = router_overhead_by_block_size(bench)
     log(f"router overhead by block size (routers at init): {overhead['router_overhead_by_block_size']}")
@@ -613,12 +612,13 @@ def measure_baselines(bench: Bench, targets: list[float], speed_target: float, r
     from vlm_retrofit.pruning import layers_removed
 
     from .baselines import UpdateOracle
+    from .resume import run_key
 
     model, data, records = bench.model, bench.data, []
     # Random and the oracle are calibrated per workload and counted where our per-token rows are (`--counted-on`).
     counted_on = bench.per_token_counted_on
-    key = {**key, "targets": list(targets), "speed_target": speed_target, "removal_order": list(removal_order),
-           "base": bench.fingerprint(), "oracle_calibration": "bisected to the realised fraction",
+    key = {**key, **run_key(bench, targets, speed_target, removal_order),
+           "oracle_calibration": "bisected to the realised fraction",
            "skipping_recorded": "per workload; Block Influence on real text positions",
            "span_order": list(span_order or []),
            "per_token_baselines": ("image positions skip" if SKIP_IMAGE_POSITIONS else "image positions run every block")
