@@ -12,7 +12,7 @@ from typing import Any, Callable
 import torch
 
 from .run import RUNS, add_eval_arguments, load_for_measuring, machine, recorded_settings, repository_path
-from .sweep import CANDIDATE_RULES
+from .measuring import CANDIDATE_RULES
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -70,7 +70,7 @@ def prepare(args: argparse.Namespace, tool: str) -> tuple[Callable[[str], None],
     from . import efficientnet_tower  # noqa: F401  registers the vision tower's config before any loading
     from .data import write_bench_shards
     from .real_vlm import build_real_vlm
-    from .sweep import Bench
+    from .measuring import Bench
 
     manifest = write_bench_shards()
     args.backbone, args.replacement_batches = str(build_real_vlm()), 0  # the linear replacement is not measured here
@@ -92,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out) if args.out else adapter_dir.resolve().parent / "measure.json"
 
     from .real_vlm import weights_digest
-    from .sweep import measure_adapter, rank_blocks
+    from .orders import rank_blocks
+    from .sweep import measure_adapter
 
     model, data = bench.model, bench.data
     base = bench.measure_base()

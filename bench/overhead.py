@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     from .evaluate import routing_share, timed_generate
     from .real_vlm import load_image, load_real_vlm
     from vlm_retrofit.pruning import layers_removed
-    from .sweep import prompt_inputs
+    from .eval_set import prompt_inputs
 
     model, processor = load_real_vlm(dtype=getattr(torch, args.dtype))
     model = model.to(args.device).eval()

@@ -12,7 +12,10 @@ from typing import Any
 import torch
 
 from .report import write_report
-from .sweep import Bench, build_eval_set, joint_removal_order, rank_blocks, search_key, span_removal_order, sweep
+from .eval_set import build_eval_set
+from .measuring import Bench
+from .orders import joint_removal_order, rank_blocks, search_key, span_removal_order
+from .sweep import sweep
 from .training import stale_runs, train_variant, training_key, training_precision, training_shards
 from .variants import DEFAULT_VARIANTS, VARIANTS, own_span_key, removal_settings, selected_variants
 

@@ -54,7 +54,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from .evaluate import speed_ratio, timed_generate
     from .run import machine
-    from .sweep import calibrated_per_workload, candidates_at, cheapest_blocks, load_as_shipped, rank_blocks
+    from .measuring import calibrated_per_workload, candidates_at
+    from .orders import rank_blocks
+    from .sweep import cheapest_blocks, load_as_shipped
 
     model, data = bench.model, bench.data
     order = rank_blocks(model, data.calibration, Path(args.runs), log)

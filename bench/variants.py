@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from .sweep import SKIP_IMAGE_POSITIONS
+from .measuring import SKIP_IMAGE_POSITIONS
 
 
 @dataclass
@@ -53,7 +53,7 @@ LORA_ALL = {"r": 16, "lora_alpha": 32,
 # LoRA healing of a static removal: LoRA+ on every projection, routers off (identity).
 LORA_HEALING = {**ROUTED, "lora": LORA_ALL, "train_routers": False, "lora_b_lr_scale": 4.0}
 # Learned per-token gates pulled to a compute target, trained as they are measured: image positions run every block
-# (`sweep.SKIP_IMAGE_POSITIONS`). A/B on `gate_b3_candidates` (240 steps each, seed 0, test; HISTORY.md, "Per-token
+# (`measuring.SKIP_IMAGE_POSITIONS`). A/B on `gate_b3_candidates` (240 steps each, seed 0, test; HISTORY.md, "Per-token
 # gates trained with image positions kept"): caption agreement 0.730 / 0.520 / 0.486 at 10 / 20 / 30 % against
 # 0.700 / 0.417 / 0.469 trained with them skipping; the text level (x1.422 / x1.920 / x3.367 against x1.424 /
 # x1.946 / x3.346).

@@ -1,5 +1,5 @@
-"""bench/sweep.py, report.py, resume.py and run.py on a tiny model: baselines and variants' records reused only under
-the same key; report files; the variant selection."""
+"""bench/sweep.py, baselines.py, orders.py, report.py, resume.py and run.py on a tiny model: baselines' and
+variants' records reused only under the same key; report files; the variant selection."""
 
 import dataclasses
 import json
@@ -17,8 +17,10 @@ from bench.report import KEPT_MARKER, agreement_comparison, paired_bootstrap, wr
 from bench.run import BASELINES_OUT, ROOT, build_parser, report_dir  # noqa: E402
 from bench.variants import VARIANTS, selected_variants  # noqa: E402
 from bench.evaluate import nullmethod, perplexity, routing_share, timed_routing  # noqa: E402
-from bench.sweep import (BASELINE_CACHE_ENTRIES, Bench, EvalSet, cached_baselines, measure_baselines,  # noqa: E402
-                         measure_pruned, router_overhead_by_block_size, store_baselines)
+from bench.baselines import BASELINE_CACHE_ENTRIES, cached_baselines, measure_baselines, store_baselines  # noqa: E402
+from bench.eval_set import EvalSet  # noqa: E402
+from bench.measuring import Bench  # noqa: E402
+from bench.sweep import measure_pruned, router_overhead_by_block_size  # noqa: E402
 from vlm_retrofit import RouterConfig, attach_routers  # noqa: E402
 from vlm_retrofit.backbones import resolve  # noqa: E402
 from vlm_retrofit.pruning import prune_layers  # noqa: E402
@@ -173,7 +175,7 @@ def test_every_workload_records_the_skipping_it_realised():
 
 
 def test_per_token_policies_are_calibrated_and_measured_per_workload():
-    from bench.sweep import calibrated_per_workload
+    from bench.measuring import calibrated_per_workload
 
     bench = _bench()
     adapter = attach_routers(bench.model, RouterConfig(block_size=1))
@@ -851,7 +853,7 @@ def test_update_oracle_can_keep_image_positions_running_and_count_text_positions
 
 
 def test_span_order_starts_with_the_cheapest_span_and_is_cached_under_its_settings(tmp_path):
-    from bench.sweep import span_removal_order
+    from bench.orders import span_removal_order
     from vlm_retrofit.skipping import best_removal_span
 
     bench = _bench()
@@ -877,7 +879,7 @@ def test_span_order_starts_with_the_cheapest_span_and_is_cached_under_its_settin
         next(bench.model.parameters()).add_(1e-3)
     assert span_removal_order(bench.model, calibration, removal_order, 2, 3, tmp_path, logged.append) != [4, 3, 2]
     # A key computed once by the caller is the one the cache is stored and checked under.
-    from bench.sweep import search_key
+    from bench.orders import search_key
 
     key = search_key(bench.model, calibration)
     span_removal_order(bench.model, calibration, removal_order, 2, 3, tmp_path, logged.append, key=key)
@@ -891,7 +893,7 @@ def test_span_order_starts_with_the_cheapest_span_and_is_cached_under_its_settin
 
 
 def test_per_token_candidates_are_half_again_the_blocks_a_static_removal_takes():
-    from bench.sweep import candidate_count
+    from bench.measuring import candidate_count
 
     from vlm_retrofit import RouterConfig
 
@@ -902,7 +904,8 @@ def test_per_token_candidates_are_half_again_the_blocks_a_static_removal_takes()
 
 
 def test_blocks_a_policy_was_trained_to_skip_come_first_among_its_candidates():
-    from bench.sweep import candidates_at, cheapest_blocks
+    from bench.measuring import candidates_at
+    from bench.sweep import cheapest_blocks
 
     model, _ = tiny_vlm("llama", num_hidden_layers=6)
     adapter = attach_routers(model, RouterConfig(block_size=1))
@@ -915,7 +918,7 @@ def test_blocks_a_policy_was_trained_to_skip_come_first_among_its_candidates():
 
 
 def test_the_trained_candidate_rule_skips_among_the_trained_blocks_at_every_target():
-    from bench.sweep import candidates_at
+    from bench.measuring import candidates_at
 
     model, _ = tiny_vlm("llama", num_hidden_layers=10)
     adapter = attach_routers(model, RouterConfig(block_size=1))

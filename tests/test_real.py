@@ -191,7 +191,7 @@ def test_linear_replacement_lowers_held_out_perplexity_of_a_removal(real):
 
     from bench.data import austen_split
     from bench.evaluate import perplexity
-    from bench.sweep import _chunks
+    from bench.eval_set import _chunks
     from vlm_retrofit.pruning import layers_removed
     from vlm_retrofit.replacement import fit_replacements, replacements_folded
 
