@@ -1,5 +1,5 @@
-"""bench/sweep.py, baselines.py, orders.py, report.py, resume.py and run.py on a tiny model: baselines' and
-variants' records reused only under the same key; report files; the variant selection."""
+"""bench/sweep.py, measuring.py, baselines.py, orders.py, report.py, resume.py and run.py on a tiny model:
+baselines' and variants' records reused only under the same key; report files; the variant selection."""
 
 import dataclasses
 import json
