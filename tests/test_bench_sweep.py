@@ -490,7 +490,8 @@ def test_budget_decay_ends_a_training_run_at_the_floor():
                          limit_val_batches=0, callbacks=[BudgetDecay(2.0)])
     trainer.fit(module, data)
     assert trainer.global_step > 5  # the time cap ended it, not a step count
-    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(1e-3)  # decayed to a tenth within the budget
+    # Decayed to a tenth within the budget (the last step's rate was read a moment before the clock ran out).
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(1e-3, rel=1e-3)
 
 
 def test_training_arguments_scale_the_learning_rate_and_keep_the_recipe():
@@ -730,7 +731,7 @@ def test_routing_time_accumulates_over_forwards_and_leaves_the_adapter_as_it_was
     share = routing_share(model, adapter, inputs, tokenizer.pad_token_id or 0, rounds=2, new_tokens=3)
     assert 0 < share < 1
     with adapter.disabled():  # the base function routes nothing: its hooks return at once
-        assert routing_share(model, adapter, inputs, tokenizer.pad_token_id or 0, rounds=1, new_tokens=3) < share / 3
+        assert routing_share(model, adapter, inputs, tokenizer.pad_token_id or 0, rounds=3, new_tokens=3) < share / 3
 
 
 def test_paired_speed_ratios_alternate_the_order_so_a_drifting_machine_favours_neither_side(monkeypatch):

@@ -30,8 +30,7 @@ def test_build(family):
     start = time.perf_counter()
     model, processor = tiny_vlm(family)
     elapsed = time.perf_counter() - start
-    print(f"{family}: built in {elapsed:.3f} s")
-    assert elapsed < 10  # well under 2 s in practice; generous for noisy CI machines
+    print(f"{family}: built in {elapsed:.3f} s")  # well under 2 s; a wall-clock bound would fail on a loaded machine
     assert model.config.model_type == family
     assert not any(m.training for m in model.modules())
     assert all(p.dtype == torch.float32 for p in model.parameters())
