@@ -25,8 +25,9 @@ def measured_key(bench, variant_dir: Path, targets: list[float], speed_target: f
     order that ranks candidate blocks, how per-token targets are calibrated and counted, and the trained adapter
     itself (its `train_info.json`: a retrained adapter gets another)."""
     train_info = (variant_dir / "train_info.json").read_bytes()
-    return {**settings, **run_key(bench, targets, speed_target, removal_order), "tolerance": bench.tolerance, "speed_rounds": bench.speed_rounds, "counted_on": bench.counted_on,
-            "unit": bench.unit, "allocation": bench.allocation, "candidate_rule": bench.candidate_rule,
+    return {**settings, **run_key(bench, targets, speed_target, removal_order), "tolerance": bench.tolerance,
+            "speed_rounds": bench.speed_rounds, "counted_on": bench.counted_on, "unit": bench.unit,
+            "allocation": bench.allocation, "candidate_rule": bench.candidate_rule,
             "train_info": hashlib.sha256(train_info).hexdigest()[:16]}
 
 
